@@ -1,0 +1,622 @@
+"""PPO on Procgen: collect a rollout with the current policy, estimate advantages with GAE, then take a few
+epochs of clipped policy-gradient steps on that rollout (Schulman et al. 2017, arXiv 1707.06347), with the
+IMPALA-CNN and reward normalization of the Procgen benchmark (Cobbe et al. 2020, arXiv 1912.01588).
+
+Run:  python ppo_procgen.py --env-id starpilot          (all flags: python ppo_procgen.py --help)
+Read first: `train` (the story, top to bottom), then `compute_gae` and `ppo_update` (the algorithm).
+"""
+import collections
+import contextlib
+import io
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from gymnasium.vector import AutoresetMode
+from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisodeStatistics
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, numpy, torch and procgen's level generator: the same seed gives the same run on CPU"""
+    torch_deterministic: bool = True
+    """make cuDNN pick deterministic algorithms"""
+    cuda: bool = True
+    """use the GPU when one is available"""
+    total_timesteps: int = 25_000_000
+    """environment steps of the whole run (rounded down to whole iterations of num_envs * num_steps)"""
+    # Environment
+    env_id: str = "starpilot"
+    """the Procgen game, one of the 16 in PROCGEN_RANGES"""
+    distribution_mode: Literal["easy", "hard", "extreme", "memory", "exploration"] = "easy"
+    """Procgen difficulty (the CleanRL and train-procgen 25M-step results use easy)"""
+    num_levels: int = 0
+    """number of training levels; 0 trains on the full distribution (unlimited levels)"""
+    start_level: int = 0
+    """first training level seed; evaluation uses levels outside [start_level, start_level + num_levels)"""
+    num_envs: int = 64
+    """parallel game instances (one procgen vector env)"""
+    env_threads: int = 0
+    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_split`)"""
+    # Algorithm
+    num_steps: int = 256
+    """steps per env in each rollout"""
+    learning_rate: float = 5e-4
+    """Adam learning rate"""
+    anneal_lr: bool = False
+    """decay the learning rate linearly to 0 over the run"""
+    gamma: float = 0.999
+    """discount factor; also the discount of the reward normalizer's running return"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: int = 8
+    """minibatches per epoch; must divide num_envs * num_steps"""
+    update_epochs: int = 3
+    """epochs over each rollout (PPO's K)"""
+    adv_norm: Literal["minibatch", "batch", "off"] = "minibatch"
+    """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
+    clip_coef: float = 0.2
+    """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
+    clip_vloss: bool = True
+    """clip the value loss around the rollout's values (baselines PPO)"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip"""
+    target_kl: Optional[float] = None
+    """stop the update's epochs early once the approximate KL exceeds this (None: never)"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (baselines PPO uses 1e-5)"""
+    reward_clip: float = 10.0
+    """clip normalized rewards to [-reward_clip, reward_clip]"""
+    channels: tuple[int, ...] = (16, 32, 32)
+    """IMPALA-CNN channels, one conv sequence per entry"""
+    hidden_size: int = 256
+    """width of the dense layer after the convolutions"""
+    init: Literal["default", "normed"] = "default"
+    """weight init: PyTorch default + orthogonal heads (CleanRL PPO) or the PPG code's per-unit normed init"""
+    # Evaluation, logging, checkpoints
+    eval_every: int = 100
+    """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
+    eval_episodes: int = 32
+    """evaluation episodes, one per env so that short episodes are not over-counted"""
+    capture_video: bool = False
+    """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rl-reference"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (user or team)"""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
+    save_model: bool = False
+    """write runs/<run_name>/checkpoint.pt every --save-every iterations and at the end"""
+    save_every: int = 128
+    """iterations between checkpoints (with --save-model)"""
+    resume: Optional[str] = None
+    """continue the run saved in this checkpoint, to its original total steps"""
+    eval_only: bool = False
+    """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
+    checkpoint: Optional[str] = None
+    """checkpoint to evaluate with --eval-only"""
+    # Speed
+    torch_threads: int = 0
+    """torch CPU threads; 0 picks a value from the machine's cores (see `thread_split`)"""
+    channels_last: bool = True
+    """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
+    compile: bool = False
+    """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
+    amp: bool = False
+    """bfloat16 autocast for the forward passes on CUDA (the losses stay float32)"""
+
+
+# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or logging only.
+RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
+                 "wandb_project", "wandb_entity", "wandb_mode")
+
+# (R_min, R_max) per game for the normalized score, easy and hard: train-procgen's constants.py.
+PROCGEN_RANGES = {
+    "bigfish": {"easy": (1, 40), "hard": (0, 40)}, "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
+    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)}, "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
+    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)}, "coinrun": {"easy": (5, 10), "hard": (5, 10)},
+    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)}, "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
+    "heist": {"easy": (3.5, 10), "hard": (2, 10)}, "jumper": {"easy": (1, 10), "hard": (1, 10)},
+    "leaper": {"easy": (1.5, 10), "hard": (1.5, 10)}, "maze": {"easy": (5, 10), "hard": (4, 10)},
+    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)}, "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
+    "plunder": {"easy": (4.5, 30), "hard": (3, 30)}, "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
+}
+
+
+def normalized_score(env_id, distribution_mode, episodic_return):
+    """(R - R_min) / (R_max - R_min); None for modes without published ranges."""
+    if distribution_mode not in PROCGEN_RANGES[env_id]:
+        return None
+    low, high = PROCGEN_RANGES[env_id][distribution_mode]
+    return (episodic_return - low) / (high - low)
+
+
+class ProcgenVecEnv(gym.vector.VectorEnv):
+    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers work on it.
+
+    Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that episode's last reward
+    and the *first* frame of the next episode (gym3's `first` flag). Procgen has no time-limit signal, so
+    truncated is always False: time-outs count as terminations. `reset(seed=s)` builds fresh games whose levels
+    and dynamics are fully determined by s (procgen's `rand_seed`).
+    """
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
+        if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
+            raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+            from procgen import ProcgenGym3Env
+        self._make = lambda seed: ProcgenGym3Env(
+            num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
+            start_level=start_level, rand_seed=seed, num_threads=num_threads)
+        self.num_envs, self.env = num_envs, None
+        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+        self.single_action_space = gym.spaces.Discrete(15)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        if self.env is not None:
+            self.env.close()
+        self.env = self._make(int(self.np_random.integers(2**31 - 1)) if seed is None else seed)
+        _, obs, _ = self.env.observe()
+        return obs["rgb"], {}
+
+    def step(self, actions):
+        self.env.act(np.asarray(actions, dtype=np.int32))
+        reward, obs, first = self.env.observe()
+        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
+
+    def close_extras(self, **kwargs):
+        if self.env is not None:
+            self.env.close()
+
+
+def make_env(args, num_envs):
+    """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by the std of a
+    running discounted return (gamma = args.gamma, as in CleanRL) and clipped, as in the Procgen baselines."""
+    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
+                         args.env_threads)
+    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.gamma), -args.reward_clip,
+                      args.reward_clip)
+
+
+def normed_(layer, scale):
+    """The PPG code's "normed" init: each output unit's weight vector gets L2 norm `scale`, biases 0."""
+    with torch.no_grad():
+        weight = layer.weight.view(layer.weight.shape[0], -1)
+        weight.mul_(scale / weight.norm(dim=1, keepdim=True))
+        layer.bias.zero_()
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels, init):
+        super().__init__()
+        # sqrt(1/sqrt(3)/sqrt(2)): the PPG code's scale for residual convs, so the residual sum keeps its variance
+        scale = (1 / 3**0.5 / 2**0.5) ** 0.5
+        self.conv0, self.conv1 = (nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        if init == "normed":
+            normed_(self.conv0, scale), normed_(self.conv1, scale)
+
+    def forward(self, x):
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+class ImpalaCNN(nn.Module):
+    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a stride-2 max-pool
+    and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as the env returns them."""
+
+    def __init__(self, channels, hidden_size, init):
+        super().__init__()
+        layers, in_channels, size = [], 3, 64
+        for out_channels in channels:
+            conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+            if init == "normed":
+                normed_(conv, 1.0)
+            layers += [conv, nn.MaxPool2d(3, stride=2, padding=1),
+                       ResidualBlock(out_channels, init), ResidualBlock(out_channels, init)]
+            in_channels, size = out_channels, (size + 1) // 2
+        dense = nn.Linear(in_channels * size * size, hidden_size)
+        if init == "normed":
+            normed_(dense, 1.4)
+        self.net = nn.Sequential(*layers, nn.Flatten(), nn.ReLU(), dense, nn.ReLU())
+
+    def forward(self, obs):
+        # NHWC -> NCHW by a permute: the tensor keeps NHWC strides, i.e. it is already channels_last.
+        return self.net(obs.permute(0, 3, 1, 2).float() / 255.0)
+
+
+def make_head(in_features, out_features, std, init):
+    """Heads: orthogonal init with a small std for the policy (near-uniform first policy), or normed 0.1."""
+    head = nn.Linear(in_features, out_features)
+    if init == "normed":
+        return normed_(head, 0.1)
+    nn.init.orthogonal_(head.weight, std)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class Agent(nn.Module):
+    """PPO's actor-critic: one IMPALA-CNN trunk shared by the policy and value heads."""
+
+    def __init__(self, args, num_actions):
+        super().__init__()
+        self.trunk = ImpalaCNN(args.channels, args.hidden_size, args.init)
+        self.actor = make_head(args.hidden_size, num_actions, 0.01, args.init)
+        self.critic = make_head(args.hidden_size, 1, 1.0, args.init)
+
+    def forward(self, obs):
+        hidden = self.trunk(obs)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1)
+
+
+def sample_action(logits):
+    """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
+    torch.distributions' argument validation."""
+    return torch.argmax(logits - torch.log(-torch.log(torch.rand_like(logits))), dim=-1)
+
+
+def log_prob_entropy(logits, actions):
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors.
+
+    dones[t] = 1 means obs[t] is the first frame of a new episode, so step t-1 was an episode's last step:
+    its TD error must not look past it. The rollout's last step bootstraps from V(next_obs).
+      delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_{t+1}) - V(s_t)
+      A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}
+    """
+    advantages = torch.zeros_like(rewards)
+    last_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[0])):
+        next_nonterminal = 1.0 - (next_done if t == rewards.shape[0] - 1 else dones[t + 1])
+        next_values = next_value if t == rewards.shape[0] - 1 else values[t + 1]
+        delta = rewards[t] + gamma * next_values * next_nonterminal - values[t]
+        last_advantage = delta + gamma * gae_lambda * next_nonterminal * last_advantage
+        advantages[t] = last_advantage
+    return advantages
+
+
+def ppo_loss(new_log_prob, old_log_prob, advantages, new_value, old_value, returns, clip_coef, clip_vloss):
+    """PPO's clipped surrogate (Eq. 7) and value loss on one minibatch; returns (pg_loss, v_loss, ratio, log_ratio).
+    L_clip = E[min(r A, clip(r, 1 - eps, 1 + eps) A)] with r = pi(a|s) / pi_old(a|s), maximized: we minimize -L_clip.
+    """
+    log_ratio = new_log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+    v_loss = (new_value - returns) ** 2
+    if clip_vloss:  # baselines PPO: the value may not move more than clip_coef away from its rollout value
+        v_clipped = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
+        v_loss = torch.max(v_loss, (v_clipped - returns) ** 2)
+    return pg_loss, 0.5 * v_loss.mean(), ratio, log_ratio
+
+
+def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast):
+    """Clipped PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and the value
+    loss for `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V). Returns mean statistics."""
+    batch_size = batch["obs"].shape[0]
+    minibatch_size = batch_size // args.num_minibatches
+    advantages = batch["advantages"]
+    if args.adv_norm == "batch":
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    stats, num_minibatches = {}, 0
+    for epoch in range(max(epochs_pi, epochs_v)):
+        permutation = torch.randperm(batch_size, device=batch["obs"].device)
+        for start in range(0, batch_size, minibatch_size):
+            idx = permutation[start : start + minibatch_size]
+            with autocast():
+                logits, new_value = agent(batch["obs"][idx])
+            new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][idx])
+            mb_advantages = advantages[idx]
+            if args.adv_norm == "minibatch":
+                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            pg_loss, v_loss, ratio, log_ratio = ppo_loss(
+                new_log_prob, batch["log_probs"][idx], mb_advantages, new_value.float(), batch["values"][idx],
+                batch["returns"][idx], args.clip_coef, args.clip_vloss)
+            # PPO Eq. 9: L = -L_clip + c1 L_VF - c2 S; each term only in its own epochs.
+            loss = (epoch < epochs_pi) * (pg_loss - args.ent_coef * entropy.mean()) + \
+                (epoch < epochs_v) * args.vf_coef * v_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            if not torch.isfinite(grad_norm):  # one host sync per minibatch: stop before a NaN reaches the weights
+                raise FloatingPointError(f"non-finite loss {loss.item()} or gradient in epoch {epoch}")
+            optimizer.step()
+            with torch.no_grad():
+                for key, value in (("policy_loss", pg_loss), ("value_loss", v_loss), ("entropy", entropy.mean()),
+                                   ("old_approx_kl", (-log_ratio).mean()),
+                                   ("approx_kl", ((ratio - 1) - log_ratio).mean()),
+                                   ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
+                    stats[key] = stats.get(key, 0.0) + value
+            num_minibatches += 1
+        if args.target_kl is not None and stats["approx_kl"] / num_minibatches > args.target_kl:
+            break
+    return {key: value / num_minibatches for key, value in zip(stats, torch.stack(list(stats.values())).tolist())}
+
+
+def check_args(args):
+    """Fail at once, before anything heavy is allocated, with one line naming the flag."""
+    def require(ok, message):
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
+            + ", ".join(PROCGEN_RANGES))
+    for flag in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes",
+                 "hidden_size", "save_every"):
+        require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
+    for flag in ("num_levels", "start_level", "env_threads", "torch_threads", "eval_every"):
+        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    batch_size = args.num_envs * args.num_steps
+    require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
+            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * "
+            f"num_steps); try one of {[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    require(args.total_timesteps >= batch_size, f"--total-timesteps {args.total_timesteps} is less than one "
+            f"iteration (num_envs * num_steps = {batch_size})")
+    require(0 < args.gamma <= 1 and 0 <= args.gae_lambda <= 1, "--gamma must be in (0, 1], --gae-lambda in [0, 1]")
+    require(args.learning_rate > 0 and args.clip_coef > 0, "--learning-rate and --clip-coef must be > 0")
+    require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
+    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
+    for flag in ("checkpoint", "resume"):
+        path = getattr(args, flag)
+        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+
+
+def thread_split(args, device):
+    """Procgen steps its games in C++ threads while torch runs its own thread pool; more threads than cores in
+    total makes them preempt each other (most of the time goes to the kernel). On CPU the network dominates,
+    so torch gets the cores and procgen one thread; on GPU procgen gets the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
+    return env_threads, torch_threads
+
+
+class Logger:
+    """Each row goes to runs/<run_name>/metrics.jsonl and, with --track, to wandb (step = global_step)."""
+
+    def __init__(self, args, run_name, run_dir):
+        self.file, self.wandb = open(os.path.join(run_dir, "metrics.jsonl"), "a"), None
+        if args.track:
+            import wandb
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
+                                    name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
+
+    def log(self, row, video=None):
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({**row, **({"eval/video": wandb.Video(video, format="mp4")} if video else {})},
+                           step=row["global_step"])
+
+    def close(self):
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def save_checkpoint(path, **state):
+    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
+    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, args):
+    """The checkpoint's args win, except the RUNTIME_FLAGS given on this command line."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {**checkpoint["args"], **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS}}
+    return checkpoint, Args(**{**saved, "channels": tuple(saved["channels"]),
+                               "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
+
+
+def write_video(path, frames, fps=15):
+    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
+    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+
+
+@torch.no_grad()
+def evaluate(agent, args, device, seed, video_path=None):
+    """Mean raw return of the stochastic policy on levels it did not train on: with --num-levels N > 0, levels are
+    drawn from the unbounded distribution (as in train-procgen's test worker; the N training levels have
+    vanishing weight); with N = 0 training already covers the full distribution. One episode per env."""
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0,
+                                                 args.start_level + args.num_levels, args.env_threads))
+    obs, _ = envs.reset(seed=seed)
+    returns, frames = np.full(args.eval_episodes, np.nan), [obs[0]]
+    while np.isnan(returns).any():
+        logits, _ = agent(torch.as_tensor(obs, device=device))
+        obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
+        if "_episode" in info:
+            first_end = info["_episode"] & np.isnan(returns)
+            returns[first_end] = info["episode"]["r"][first_end]
+        if video_path and np.isnan(returns[0]):
+            frames.append(obs[0])
+    envs.close()
+    if video_path:
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+    return float(returns.mean())
+
+
+def train(args):
+    check_args(args)
+    if args.resume or args.eval_only:
+        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+    batch_size = args.num_envs * args.num_steps
+    num_iterations = args.total_timesteps // batch_size
+    if num_iterations * batch_size != args.total_timesteps and not args.eval_only:
+        print(f"note: training {num_iterations * batch_size:,} steps ({num_iterations} whole iterations)")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    args.env_threads, torch_threads = thread_split(args, device)
+    torch.set_num_threads(torch_threads)
+    autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.amp and device.type == "cuda")
+    start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
+    run_name = checkpoint["run_name"] if args.resume else \
+        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
+    run_dir = os.path.join("runs", run_name)
+    os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
+    logger = Logger(args, run_name, run_dir)
+
+    agent = Agent(args, num_actions=15).to(device)
+    if args.channels_last:
+        agent = agent.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    if args.resume or args.eval_only:
+        agent.load_state_dict(checkpoint["agent"])
+    policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
+
+    def run_evaluation(iteration, global_step):
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video else None
+        start = time.time()
+        eval_return = evaluate(agent, args, device, seed=args.seed + 10**6 + iteration, video_path=video)
+        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
+        logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                    "eval/normalized_score": score, "time/eval": time.time() - start}, video)
+        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
+              + (f", normalized score {score:.3f}" if score is not None else "") + (f", video {video}" if video else ""))
+
+    if args.eval_only:
+        run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
+        return logger.close()
+
+    envs = make_env(args, args.num_envs)
+    normalizer = envs.env  # the NormalizeReward wrapper: its running statistics go into checkpoints
+    # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
+    obs = torch.zeros((args.num_steps, args.num_envs, 64, 64, 3), dtype=torch.uint8, device=device)
+    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
+    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device)
+                                         for _ in range(4))
+    staging = torch.zeros((args.num_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    to_device = lambda frames: (staging.copy_(torch.from_numpy(frames)).to(device, non_blocking=True)
+                                if device.type == "cuda" else torch.from_numpy(frames))  # pinned, asynchronous
+    if args.resume:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        normalizer.return_rms.mean, normalizer.return_rms.var, normalizer.return_rms.count = checkpoint["reward_rms"]
+        random.setstate(checkpoint["rng"]["python"])
+        np.random.set_state(checkpoint["rng"]["numpy"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        print(f"resuming {run_name} at iteration {start_iteration}")
+
+    def checkpoint_state(iteration):
+        rms = normalizer.return_rms
+        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(),
+                    iteration=iteration, global_step=iteration * batch_size, reward_rms=(rms.mean, rms.var, rms.count),
+                    args=asdict(args), run_name=run_name)
+
+    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so no level is replayed.
+    next_obs = to_device(envs.reset(seed=args.seed + start_iteration - 1)[0])
+    next_done = torch.zeros(args.num_envs, device=device)
+    global_step, completed = (start_iteration - 1) * batch_size, start_iteration - 1
+    start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
+    try:
+        for iteration in range(start_iteration, num_iterations + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
+
+            # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
+            rollout_start, env_time, episode_returns, episode_lengths = time.time(), 0.0, [], []
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                obs[step], dones[step] = next_obs, next_done
+                with torch.no_grad(), autocast():
+                    logits, value = policy(next_obs)
+                action = sample_action(logits.float())
+                values[step], actions[step] = value.float(), action
+                log_probs[step] = log_prob_entropy(logits, action)[0]
+                action_cpu = action.cpu().numpy()  # the step's one host sync: the games need the actions
+                env_start = time.time()
+                frames, reward, terminated, truncated, info = envs.step(action_cpu)
+                env_time += time.time() - env_start
+                rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
+                next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
+                next_obs = to_device(frames)
+                if "_episode" in info:  # every episode that ended in this step, not only the first
+                    episode_returns += info["episode"]["r"][info["_episode"]].tolist()
+                    episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
+            with torch.no_grad(), autocast():
+                next_value = policy(next_obs)[1].float()
+            rollout_time, update_start = time.time() - rollout_start, time.time()
+
+            # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
+            advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
+            returns = advantages + values
+            batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
+                         advantages=advantages.flatten(), returns=returns.flatten(), values=values.flatten())
+            stats = ppo_update(policy, optimizer, batch, args, args.update_epochs, args.update_epochs, autocast)
+            stats["explained_variance"] = (1 - (returns - values).var() / returns.var()).item()
+            update_time = time.time() - update_start
+
+            # 4. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console.
+            recent_returns.extend(episode_returns)
+            sps = (global_step - start_step) / (time.time() - start_time)
+            mean = lambda values: float(np.mean(values)) if len(values) else None
+            logger.log({"global_step": global_step, "iteration": iteration, "time": time.time() - start_time,
+                        "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                        "charts/episodes": len(episode_returns), "charts/episodic_return": mean(episode_returns),
+                        "charts/episodic_length": mean(episode_lengths),
+                        "charts/episodic_return_last100": mean(recent_returns),
+                        **{f"losses/{key}": value for key, value in stats.items()},
+                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time})
+            completed = iteration
+            eta = (num_iterations - iteration) * batch_size / sps / 60
+            print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (rollout {rollout_time:.1f}"
+                  f"s: env {env_time:.1f}s; update {update_time:.1f}s) | ETA {eta:.1f} min | return "
+                  + (f"{mean(episode_returns):.2f} ({len(episode_returns)} eps)" if episode_returns else "-")
+                  + f" | pg {stats['policy_loss']:.3f} v {stats['value_loss']:.3f} ent {stats['entropy']:.3f}"
+                  f" kl {stats['approx_kl']:.4f}", flush=True)
+
+            if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
+                run_evaluation(iteration, global_step)
+            if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
+                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
+    except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
+        path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
+        save_checkpoint(path, **checkpoint_state(completed))
+        raise SystemExit(f"error: {error} after iteration {completed}; the last finite weights are saved in {path}; "
+                         "try a lower --learning-rate")
+    except KeyboardInterrupt:  # nothing is lost: keep everything up to the last finished iteration
+        path = os.path.join(run_dir, "checkpoint.pt")
+        save_checkpoint(path, **checkpoint_state(completed))
+        print(f"\ninterrupted: saved iteration {completed} to {path}; continue with --resume {path}")
+        raise
+    finally:
+        envs.close()
+        logger.close()
+    return run_dir
+
+
+if __name__ == "__main__":
+    train(tyro.cli(Args))

@@ -1,0 +1,200 @@
+"""ppg_procgen.py: the auxiliary phase, both architectures, the memory check, learning, and the CLI end to end."""
+import contextlib
+import copy
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, CueEnv
+
+import ppg_procgen as ppg
+import ppo_procgen as ppo
+
+TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2", "--channels", "4",
+        "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0", "--n-pi", "2", "--num-aux-rollouts", "2",
+        "--e-aux", "2", "--save-every", "2"]
+
+
+def tiny_args(**overrides):
+    return ppg.Args(**{**dict(channels=(8,), hidden_size=32, num_aux_rollouts=2, e_aux=6), **overrides})
+
+
+def cue_buffer(num_rollouts=8, num_steps=16, seed=0):
+    """Stored rollouts of CueEnv frames whose value target is a function of the colour (so it can be learned)."""
+    env = CueEnv(num_rollouts)
+    frames = [env.reset(seed=seed)[0]]
+    cues = [env.cue.copy()]
+    for _ in range(num_steps - 1):
+        frames.append(env.step(np.zeros(num_rollouts))[0])
+        cues.append(env.cue.copy())
+    targets = np.array([1.0, -1.0, 0.5])[np.array(cues)]  # [T, R]
+    return torch.as_tensor(np.stack(frames, 1)), torch.as_tensor(targets.T, dtype=torch.float32)
+
+
+def buffer_losses(agent, aux_obs, aux_returns, old_logits, beta_clone=1.0):
+    with torch.no_grad():
+        logits, value, aux_value = agent.forward_aux(aux_obs.flatten(0, 1))
+        return ppg.ppg_aux_loss(logits, old_logits, value, aux_value, aux_returns.flatten(), beta_clone)[1]
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
+    torch.manual_seed(0)
+    args = tiny_args(arch=arch)
+    agent = ppg.Agent(args, num_actions=15)
+    aux_obs, aux_returns = cue_buffer()
+    with torch.no_grad():
+        old_logits = agent.forward_aux(aux_obs.flatten(0, 1))[0]
+    aux_before, kl_before, value_before = buffer_losses(agent, aux_obs, aux_returns, old_logits)
+    assert kl_before == 0  # pi_old is the starting policy
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    stats = ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+    aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
+    assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
+    assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
+    assert set(stats) == {"aux/aux_value_loss", "aux/kl", "aux/value_loss"}
+
+
+def test_kl_is_zero_when_nothing_moves():
+    """With lr = 0 every minibatch's KL(pi_old || pi) must be exactly 0: pi_old is computed once, before the phase,
+    and stays aligned with the shuffled rollouts of each minibatch."""
+    torch.manual_seed(1)
+    args = tiny_args(e_aux=2)
+    agent = ppg.Agent(args, num_actions=15)
+    aux_obs, aux_returns = cue_buffer()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=0.0)
+    stats = ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+    assert abs(stats["aux/kl"]) < 1e-7 and stats["aux/value_loss"] > 0.1
+
+
+def test_gradient_accumulation_gives_the_same_step():
+    aux_obs, aux_returns = cue_buffer(num_rollouts=4)
+    results = []
+    for accum in (1, 2):
+        torch.manual_seed(2)
+        args = tiny_args(e_aux=1, num_aux_rollouts=4, n_aux_grad_accum=accum)
+        agent = ppg.Agent(args, num_actions=15)
+        optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
+        ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+        results.append(torch.cat([p.flatten() for p in agent.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_value_loss_never_reaches_the_policy_network(arch):
+    torch.manual_seed(0)
+    agent = ppg.Agent(tiny_args(arch=arch), num_actions=15)
+    obs = torch.randint(0, 256, (6, 64, 64, 3), dtype=torch.uint8)
+    _, value = agent(obs)
+    (value ** 2).mean().backward()
+    policy_parts = [agent.trunk, agent.actor, agent.aux_critic]
+    assert all(p.grad is None or not p.grad.any() for part in policy_parts for p in part.parameters())
+    assert agent.critic.weight.grad.abs().sum() > 0
+    if arch == "dual":
+        assert any(p.grad.abs().sum() > 0 for p in agent.value_trunk.parameters())
+    else:
+        assert agent.value_trunk is None
+
+
+def test_policy_update_is_the_ppo_update():
+    """The policy phase calls the very update PPO uses: same network, data and seed give the same weights."""
+    torch.manual_seed(3)
+    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2, adv_norm="minibatch")
+    agent_ppg = ppg.Agent(args, num_actions=15)
+    agent_ppo = copy.deepcopy(agent_ppg)
+    obs = torch.randint(0, 256, (32, 64, 64, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        logits, values = agent_ppg(obs)
+    actions = ppg.sample_action(logits)
+    batch = dict(obs=obs, actions=actions, log_probs=ppg.log_prob_entropy(logits, actions)[0], values=values,
+                 advantages=torch.randn(32), returns=values + torch.randn(32))
+    stats = []
+    for module, agent in ((ppg, agent_ppg), (ppo, agent_ppo)):
+        torch.manual_seed(4)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+        stats.append(module.ppo_update(agent, optimizer, batch, args, 2, 2, contextlib.nullcontext))
+    assert stats[0] == stats[1]
+    for p, q in zip(agent_ppg.parameters(), agent_ppo.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(SystemExit, match=r"auxiliary buffer needs [0-9.]+ GiB \(--n-pi 100000 x --num-envs 64 x "
+                                         r"--num-steps 256 frames\) but only [0-9.]+ GiB of cpu memory is free"):
+        ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
+    assert not os.path.exists("runs")
+
+
+def test_bad_ppg_flags_fail_at_once():
+    with pytest.raises(SystemExit, match="--save-every 100 must be a multiple of --n-pi 32"):
+        ppg.check_args(ppg.Args(save_every=100))
+    with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide --num-aux-rollouts 4"):
+        ppg.check_args(ppg.Args(n_aux_grad_accum=3))
+    with pytest.raises(SystemExit, match="--n-pi 0 must be > 0"):
+        ppg.check_args(ppg.Args(n_pi=0))
+
+
+def read_rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_ppg_learns_the_cue_task(cue_env, in_tmp):
+    cue_env(ppg)
+    args = ppg.Args(env_id="coinrun", total_timesteps=6144, num_envs=16, num_steps=32, num_minibatches=4,
+                    channels=(8,), hidden_size=32, learning_rate=2e-3, eval_every=0, eval_episodes=16,
+                    torch_threads=1, n_pi=4, e_aux=2, save_every=4, arch="detach")
+    rows = read_rows(ppg.train(args))
+    assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]  # random play: 8/15 per episode
+    aux_rows = [r for r in rows if "aux/kl" in r]
+    assert len(aux_rows) == 3  # 12 iterations = 3 phases of N_pi = 4
+    assert all(r["time/aux_phase"] > 0 and r["time/policy_phase"] > 0 for r in aux_rows)
+
+
+def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
+    """7 iterations with N_pi = 3: phases of 3, 3 and a last partial phase of 1, so every step is trained; the
+    learning rate falls linearly over the whole run instead of restarting each phase (CleanRL's PPG bug)."""
+    cue_env(ppg)
+    args = ppg.Args(env_id="coinrun", total_timesteps=7 * 32 + 5, num_envs=4, num_steps=8, num_minibatches=2,
+                    channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3,
+                    num_aux_rollouts=4, anneal_lr=True)
+    rows = read_rows(ppg.train(args))
+    assert "note: training 224 steps (7 whole iterations)" in capsys.readouterr().out
+    lrs = [r["charts/learning_rate"] for r in rows if "charts/learning_rate" in r]
+    np.testing.assert_allclose(lrs, [5e-4 * (1 - i / 7) for i in range(7)])
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 7]
+
+
+def run_script(*flags):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "ppg_procgen.py"), *flags], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
+    result = run_script(*TINY, "--arch", arch, "--total-timesteps", str(4 * 32), "--save-model")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("aux phase: policy phase") == 2
+    (run,) = os.listdir("runs")
+    path = os.path.join("runs", run, "checkpoint.pt")
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["iteration"] == 4 and "aux_optimizer" in checkpoint
+    assert (checkpoint["args"]["arch"] == arch) and (("value_trunk.net.0.weight" in checkpoint["agent"]) == (arch == "dual"))
+    # Pretend the run was cut after its first phase: resume from a copy whose counters say so.
+    checkpoint.update(iteration=2, global_step=64)
+    torch.save(checkpoint, "phase1.pt")
+    result = run_script("--resume", "phase1.pt")
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stdout and result.stdout.count("aux phase: policy phase") == 1
+    rows = read_rows(os.path.join("runs", run))
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4, 3, 4]
+    assert rows[-1]["global_step"] == 128 and "eval/episodic_return" in rows[-1]
+    result = run_script("--eval-only", "--checkpoint", path)
+    assert result.returncode == 0 and "eval @ 128 steps" in result.stdout, result.stderr

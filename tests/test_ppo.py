@@ -1,0 +1,279 @@
+"""ppo_procgen.py: GAE against its definition, the Procgen adapter, the PPO loss, learning, and the CLI end to end."""
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, CueEnv
+from gymnasium.wrappers.vector import RecordEpisodeStatistics
+
+import ppo_procgen as ppo
+
+# Columns of every per-iteration row of runs/<run>/metrics.jsonl (documented in the README).
+ITERATION_KEYS = {
+    "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
+    "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
+    "losses/value_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac",
+    "losses/explained_variance", "time/rollout", "time/env", "time/update"}
+EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
+TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
+        "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
+
+
+def naive_gae(rewards, values, dones, next_value, next_done, gamma, lam):
+    """The definition: A_t = sum_{k>=t} (gamma*lam)^(k-t) delta_k, summed until the episode ends."""
+    T, N = rewards.shape
+    values_ext = np.concatenate([values, next_value[None]])
+    starts = np.concatenate([dones, next_done[None]])  # starts[t] = 1: obs t begins a new episode
+    adv = np.zeros((T, N))
+    for n in range(N):
+        for t in range(T):
+            total, weight = 0.0, 1.0
+            for k in range(t, T):
+                nonterminal = 1.0 - starts[k + 1, n]
+                delta = rewards[k, n] + gamma * values_ext[k + 1, n] * nonterminal - values_ext[k, n]
+                total += weight * delta
+                if not nonterminal:
+                    break
+                weight *= gamma * lam
+            adv[t, n] = total
+    return adv
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.999, 1.0), (0.9, 0.0)])
+def test_gae_matches_naive_definition(gamma, lam):
+    rng = np.random.default_rng(0)
+    T, N = 17, 5
+    rewards, values = rng.normal(size=(T, N)), rng.normal(size=(T, N))
+    dones = (rng.random((T, N)) < 0.2).astype(float)
+    dones[0] = 0
+    next_value, next_done = rng.normal(size=N), np.array([0, 1, 0, 1, 0], dtype=float)
+    assert dones[1:].sum() > 3  # episode ends inside the rollout
+    expected = naive_gae(rewards, values, dones, next_value, next_done, gamma, lam)
+    got = ppo.compute_gae(*(torch.tensor(x) for x in (rewards, values, dones, next_value, next_done)), gamma, lam)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_adapter_spaces_dtypes_shapes():
+    envs = ppo.ProcgenVecEnv(3, "coinrun")
+    assert envs.single_observation_space.shape == (64, 64, 3) and envs.single_action_space.n == 15
+    assert envs.observation_space.shape == (3, 64, 64, 3) and envs.action_space.shape == (3,)
+    obs, info = envs.reset(seed=0)
+    assert obs.shape == (3, 64, 64, 3) and obs.dtype == np.uint8 and info == {}
+    obs, reward, terminated, truncated, info = envs.step(np.zeros(3, dtype=np.int64))
+    assert obs.shape == (3, 64, 64, 3) and obs.dtype == np.uint8
+    assert reward.shape == terminated.shape == truncated.shape == (3,)
+    assert terminated.dtype == truncated.dtype == bool and not truncated.any()
+    envs.close()
+
+
+def rollout(seed, steps=150, num_envs=4):
+    envs = ppo.ProcgenVecEnv(num_envs, "bigfish")
+    frames = [envs.reset(seed=seed)[0]]
+    actions = np.random.default_rng(1).integers(15, size=(steps, num_envs))
+    outputs = [envs.step(a)[:3] for a in actions]
+    envs.close()
+    return frames + [o[0] for o in outputs], np.array([o[1] for o in outputs]), np.array([o[2] for o in outputs])
+
+
+def test_adapter_is_deterministic_given_the_seed():
+    frames_a, rewards_a, dones_a = rollout(seed=7)
+    frames_b, rewards_b, dones_b = rollout(seed=7)
+    frames_c, _, _ = rollout(seed=8)
+    assert all(np.array_equal(a, b) for a, b in zip(frames_a, frames_b))
+    np.testing.assert_array_equal(rewards_a, rewards_b)
+    np.testing.assert_array_equal(dones_a, dones_b)
+    assert not all(np.array_equal(a, c) for a, c in zip(frames_a, frames_c))
+
+
+def test_episode_statistics_equal_sums_of_raw_rewards():
+    """SAME_STEP autoreset: the reward that comes with terminated=True belongs to the finished episode."""
+    envs = RecordEpisodeStatistics(ppo.ProcgenVecEnv(8, "bigfish"))
+    envs.reset(seed=3)
+    running, lengths = np.zeros(8), np.zeros(8, dtype=int)
+    expected, recorded = [], []
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        _, reward, terminated, truncated, info = envs.step(rng.integers(15, size=8))
+        running += reward
+        lengths += 1
+        for i in np.flatnonzero(terminated | truncated):
+            expected.append((running[i], lengths[i]))
+            running[i], lengths[i] = 0, 0
+        if "_episode" in info:
+            ended = info["_episode"]
+            recorded += list(zip(info["episode"]["r"][ended], info["episode"]["l"][ended]))
+    envs.close()
+    assert len(expected) >= 8 and any(r > 0 for r, _ in expected)  # enough episodes, some with points
+    assert recorded == expected
+
+
+def test_invalid_env_name_is_an_error_not_an_abort():
+    with pytest.raises(ValueError, match="unknown Procgen game 'notagame'"):
+        ppo.ProcgenVecEnv(1, "notagame")
+    with pytest.raises(SystemExit, match="--env-id 'notagame' is not a Procgen game; choose one of: bigfish"):
+        ppo.check_args(ppo.Args(env_id="notagame"))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--env-id", "pong"], "--env-id 'pong' is not a Procgen game"),
+    (["--num-minibatches", "3"], "--num-minibatches 3 must divide the batch size 16384"),
+    (["--total-timesteps", "-5"], "--total-timesteps -5 must be > 0"),
+    (["--num-envs", "0"], "--num-envs 0 must be > 0"),
+    (["--eval-only"], "--eval-only needs --checkpoint PATH"),
+    (["--resume", "missing.pt"], "--resume missing.pt: no such file"),
+])
+def test_bad_flags_fail_at_once_with_one_line(flags, message, in_tmp):
+    start = time.time()
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not os.path.exists("runs") and time.time() - start < 60
+
+
+def tiny_agent(init="default"):
+    args = ppo.Args(channels=(4,), hidden_size=16, init=init, num_minibatches=1, update_epochs=1)
+    torch.manual_seed(0)
+    return args, ppo.Agent(args, num_actions=15)
+
+
+def test_first_minibatch_has_ratio_one_and_no_clipping():
+    """With the rollout's own network the first minibatch's ratio is exactly 1: no KL, nothing clipped."""
+    args, agent = tiny_agent()
+    obs = torch.randint(0, 256, (64, 64, 64, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        logits, values = agent(obs)
+    actions = ppo.sample_action(logits)
+    log_probs = ppo.log_prob_entropy(logits, actions)[0]
+    batch = dict(obs=obs, actions=actions, log_probs=log_probs, values=values,
+                 advantages=torch.randn(64), returns=values + torch.randn(64))
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
+    assert stats["approx_kl"] == 0 and stats["old_approx_kl"] == 0 and stats["clipfrac"] == 0
+    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
+    assert stats["approx_kl"] > 0  # the weights moved, so the second pass does see a ratio != 1
+
+
+def test_clipped_surrogate_on_a_hand_made_example():
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1])
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
+    new_log_prob = ratio.log().requires_grad_()
+    zeros = torch.zeros(5)
+    pg_loss, _, got_ratio, _ = ppo.ppo_loss(new_log_prob, zeros, advantages, zeros, zeros, zeros, 0.2, False)
+    # -min(rA, clip(r)A) per sample: -1.2 (clipped), 1.5, -0.5, 0.8 (clipped), -2.2
+    assert pg_loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8 - 2.2) / 5)
+    pg_loss.backward()
+    grad = new_log_prob.grad
+    assert grad[0] == 0 and grad[3] == 0  # clipped samples carry no gradient
+    np.testing.assert_allclose(grad[[1, 2, 4]].numpy(), [1.5 / 5, -0.5 / 5, -2.2 / 5], rtol=1e-6)
+    np.testing.assert_allclose(got_ratio.detach().numpy(), ratio.numpy(), rtol=1e-6)
+
+
+def test_clipped_value_loss_on_a_hand_made_example():
+    zeros = torch.zeros(3)
+    new_value, old_value, returns = torch.tensor([1.0, 0.1, -1.0]), torch.zeros(3), torch.tensor([2.0, 0.0, 0.0])
+    _, clipped, _, _ = ppo.ppo_loss(zeros, zeros, zeros, new_value, old_value, returns, 0.2, True)
+    _, unclipped, _, _ = ppo.ppo_loss(zeros, zeros, zeros, new_value, old_value, returns, 0.2, False)
+    # unclipped 0.5*mean([1, 0.01, 1]); clipped values [0.2, 0.1, -0.2] -> max with [3.24, 0.01, 0.04]
+    assert unclipped.item() == pytest.approx(0.5 * (1 + 0.01 + 1) / 3)
+    assert clipped.item() == pytest.approx(0.5 * (3.24 + 0.01 + 1) / 3)
+
+
+def test_normalized_score_uses_the_published_ranges():
+    assert ppo.normalized_score("starpilot", "easy", 34.11) == pytest.approx(0.514, abs=1e-3)
+    assert ppo.normalized_score("coinrun", "easy", 9.17) == pytest.approx(0.834, abs=1e-3)
+    assert ppo.normalized_score("fruitbot", "easy", 28.37) == pytest.approx(0.881, abs=1e-3)
+    assert ppo.normalized_score("starpilot", "hard", 1.5) == 0.0
+    assert ppo.normalized_score("starpilot", "memory", 10.0) is None
+    assert len(ppo.PROCGEN_RANGES) == 16
+
+
+def read_rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def cue_args(module, **overrides):
+    base = dict(env_id="coinrun", total_timesteps=6144, num_envs=16, num_steps=32, num_minibatches=4,
+                channels=(8,), hidden_size=32, learning_rate=2e-3, eval_every=0, eval_episodes=16, torch_threads=1)
+    return module.Args(**{**base, **overrides})
+
+
+def test_ppo_learns_the_cue_task(cue_env, in_tmp):
+    """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8."""
+    cue_env(ppo)
+    rows = read_rows(ppo.train(cue_args(ppo)))
+    train_returns = [r["charts/episodic_return"] for r in rows if r.get("charts/episodic_return") is not None]
+    assert np.mean(train_returns[:2]) < 1.5
+    assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
+
+
+def test_same_seed_same_run_on_cpu(in_tmp):
+    args = ppo.Args(env_id="bigfish", num_envs=4, num_steps=32, num_minibatches=2, total_timesteps=256, channels=(4,),
+                    hidden_size=16, eval_episodes=2)
+    first, second = read_rows(ppo.train(args)), read_rows(ppo.train(args))
+    losses = lambda rows: [(r["global_step"], r.get("losses/policy_loss"), r.get("losses/value_loss"),
+                            r.get("eval/episodic_return")) for r in rows]
+    assert losses(first) == losses(second)
+    assert all(r["losses/value_loss"] > 0 for r in first if "losses/value_loss" in r)
+
+
+def test_nonfinite_loss_saves_a_checkpoint_and_stops(monkeypatch, in_tmp):
+    monkeypatch.setattr(ppo, "compute_gae", lambda rewards, *args: torch.full_like(rewards, float("nan")))
+    args = ppo.Args(env_id="bigfish", num_envs=2, num_steps=8, num_minibatches=1, total_timesteps=32, channels=(4,),
+                    hidden_size=16)
+    with pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the last finite weights are saved"):
+        ppo.train(args)
+    (run,) = os.listdir("runs")
+    checkpoint = torch.load(os.path.join("runs", run, "checkpoint_nonfinite.pt"), weights_only=False)
+    assert all(torch.isfinite(p).all() for p in checkpoint["agent"].values())
+
+
+def run_script(*flags, timeout=240):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
+    """A real run: metrics and checkpoint; Ctrl-C saves; --resume finishes the same total; --eval-only loads."""
+    flags = [*TINY, "--total-timesteps", str(32 * 60), "--save-model", "--save-every", "1"]
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not glob.glob("runs/*/checkpoint.pt"):
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode != 0 and "interrupted: saved iteration" in output, output
+    (run,) = os.listdir("runs")
+    path = os.path.join("runs", run, "checkpoint.pt")
+    saved = torch.load(path, weights_only=False)
+    assert 1 <= saved["iteration"] < 60 and saved["global_step"] == saved["iteration"] * 32
+    assert set(saved) >= {"agent", "optimizer", "reward_rms", "rng", "args", "global_step", "iteration"}
+
+    result = run_script("--resume", path, "--eval-episodes", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming {run} at iteration {saved['iteration'] + 1}" in result.stdout
+    rows = read_rows(os.path.join("runs", run))
+    iterations = [r for r in rows if "losses/policy_loss" in r]
+    assert [r["iteration"] for r in iterations] == list(range(1, 61))  # every iteration exactly once
+    assert iterations[-1]["global_step"] == 32 * 60
+    assert all(set(r) == ITERATION_KEYS for r in iterations)
+    assert set(rows[-1]) == EVAL_KEYS and rows[-1]["global_step"] == 32 * 60
+    assert torch.load(path, weights_only=False)["iteration"] == 60
+
+    result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video")
+    assert result.returncode == 0, result.stderr
+    assert "eval @ 1,920 steps: return" in result.stdout and "over 3 episodes" in result.stdout
+    (video,) = [os.path.join(d, f) for d, _, files in os.walk("runs") for f in files if f.endswith(".mp4")]
+    assert os.path.getsize(video) > 1000
