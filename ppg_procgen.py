@@ -71,7 +71,7 @@ class Args:
     e_v: int = 1
     """E_V: epochs of the value loss over each rollout"""
     e_aux: int = 6
-    """E_aux: epochs of the auxiliary phase over the N_pi stored rollouts (0 turns PPG into PPO)"""
+    """E_aux: epochs of the auxiliary phase over the N_pi stored rollouts (0: no auxiliary training)"""
     beta_clone: float = 1.0
     """beta_clone: weight of KL(pi_old || pi) that keeps the policy in place during the auxiliary phase"""
     num_aux_rollouts: int = 4
@@ -689,7 +689,9 @@ def train(args):
                         "charts/episodic_length": mean(episode_lengths),
                         "charts/episodic_return_last100": mean(recent_returns),
                         **{f"losses/{key}": value for key, value in stats.items()},
-                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time})
+                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time,
+                        "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+                        else None})
             completed = iteration
             eta = (num_iterations - iteration) * batch_size / sps / 60
             print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (rollout {rollout_time:.1f}"

@@ -589,7 +589,9 @@ def train(args):
                         "charts/episodic_length": mean(episode_lengths),
                         "charts/episodic_return_last100": mean(recent_returns),
                         **{f"losses/{key}": value for key, value in stats.items()},
-                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time})
+                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time,
+                        "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+                        else None})
             completed = iteration
             eta = (num_iterations - iteration) * batch_size / sps / 60
             print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (rollout {rollout_time:.1f}"

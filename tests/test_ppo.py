@@ -21,7 +21,7 @@ ITERATION_KEYS = {
     "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
     "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
     "losses/value_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac",
-    "losses/explained_variance", "time/rollout", "time/env", "time/update"}
+    "losses/explained_variance", "time/rollout", "time/env", "time/update", "perf/gpu_memory_gb"}
 EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
 TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
         "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
@@ -277,3 +277,11 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert "eval @ 1,920 steps: return" in result.stdout and "over 3 episodes" in result.stdout
     (video,) = [os.path.join(d, f) for d, _, files in os.walk("runs") for f in files if f.endswith(".mp4")]
     assert os.path.getsize(video) > 1000
+
+
+def test_track_offline_logs_to_a_local_wandb_run(in_tmp):
+    result = run_script(*TINY, "--total-timesteps", "64", "--track", "--wandb-mode", "offline", "--capture-video")
+    assert result.returncode == 0, result.stderr
+    (run_file,) = glob.glob("runs/*/wandb/offline-run-*/run-*.wandb")
+    assert os.path.getsize(run_file) > 0
+    assert glob.glob("runs/*/wandb/offline-run-*/files/media/videos/eval/*.mp4")  # the eval video was uploaded

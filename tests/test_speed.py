@@ -1,0 +1,53 @@
+"""The speed flags never change the algorithm, and the benchmark harness works (at tiny flags, on CPU)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+
+import ppo_procgen as ppo
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench  # noqa: E402
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    keys = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "eval/episodic_return")
+    return np.array([[r.get(k, np.nan) for k in keys] for r in rows], dtype=float)
+
+
+def test_fast_path_gives_the_plain_path_losses(in_tmp):
+    """channels_last + torch.compile against the plain NCHW eager path: same seed, same losses up to float noise."""
+    common = dict(env_id="bigfish", num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2,
+                  total_timesteps=128, channels=(4, 8), hidden_size=16, eval_episodes=2, torch_threads=2)
+    plain = losses(ppo.train(ppo.Args(**common, channels_last=False, compile=False)))
+    fast = losses(ppo.train(ppo.Args(**common, channels_last=True, compile=True)))
+    assert plain.shape == fast.shape == (3, 5)
+    np.testing.assert_allclose(fast, plain, rtol=2e-3, atol=1e-5)
+    assert np.abs(plain[:2, :2]).sum() > 0  # the comparison is not between zeros
+
+
+def test_thread_split_never_oversubscribes_the_cpu():
+    cores = len(os.sched_getaffinity(0))
+    env_threads, torch_threads = ppo.thread_split(ppo.Args(), torch.device("cpu"))
+    assert env_threads == 1 and torch_threads == cores
+    assert ppo.thread_split(ppo.Args(env_threads=3, torch_threads=5), torch.device("cpu")) == (3, 5)
+
+
+def test_benchmark_harness_at_tiny_flags(tmp_path):
+    out = tmp_path / "bench.json"
+    results = bench.main(["--script", "ppo_procgen.py", "--iterations", "2", "--warmup", "1", "--common",
+                          "--env-id bigfish --num-envs 2 --num-steps 8 --num-minibatches 1 --channels 4 "
+                          "--hidden-size 8 --update-epochs 1", "--config", "plain=--no-channels-last",
+                          "--config", "fast=--channels-last", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["config"] for r in saved["results"]] == ["plain", "fast"] == [r["config"] for r in results]
+    for r in saved["results"]:
+        assert r["iterations"] == 2 and 0 < r["sps_min"] <= r["sps_median"] <= r["sps_max"]
+        assert r["env_s"] >= 0 and r["learn_s"] > 0 and r["peak_rss_gb"] > 0.1 and r["peak_gpu_gb"] is None
+    assert saved["results"][0]["sps_ratio_to_first"]["median"] == pytest.approx(1.0)
