@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import random
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -51,7 +52,7 @@ class Args:
     num_levels: int = 0
     """number of training levels; 0 trains on the full distribution (unlimited levels)"""
     start_level: int = 0
-    """first training level seed; evaluation uses levels outside [start_level, start_level + num_levels)"""
+    """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
     num_actors: int = 4
     """IMPALA's actors: threads, each with its own games and its own copy of the network"""
     envs_per_actor: int = 16
@@ -127,7 +128,7 @@ class Args:
     torch_threads: int = 0
     """torch CPU threads; 0 picks a value from the machine's cores (see `thread_budget`)"""
     channels_last: bool = True
-    """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
+    """NHWC memory layout for the convolutions' inputs and weights (faster on GPUs and on CPUs)"""
     compile: bool = False
     """torch.compile the learner's network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
@@ -237,9 +238,9 @@ class ImpalaCNN(nn.Module):
     """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a stride-2 max-pool
     and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as the env returns them."""
 
-    def __init__(self, channels, hidden_size, init):
+    def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
-        layers, in_channels, size = [], 3, 64
+        layers, in_channels, size, self.channels_last = [], 3, 64, channels_last
         for out_channels in channels:
             conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
             if init == "normed":
@@ -253,8 +254,9 @@ class ImpalaCNN(nn.Module):
         self.net = nn.Sequential(*layers, nn.Flatten(), nn.ReLU(), dense, nn.ReLU())
 
     def forward(self, obs):
-        # NHWC -> NCHW by a permute: the tensor keeps NHWC strides, i.e. it is already channels_last.
-        return self.net(obs.permute(0, 3, 1, 2).float() / 255.0)
+        # NHWC -> NCHW by a permute keeps the NHWC strides, i.e. the input is already channels_last.
+        x = obs.permute(0, 3, 1, 2).float() / 255.0
+        return self.net(x if self.channels_last else x.contiguous())
 
 
 def make_head(in_features, out_features, std, init):
@@ -268,11 +270,11 @@ def make_head(in_features, out_features, std, init):
 
 
 class Agent(nn.Module):
-    """PPO's actor-critic: one IMPALA-CNN trunk shared by the policy and value heads."""
+    """The actor-critic: one IMPALA-CNN trunk shared by the policy and value heads."""
 
     def __init__(self, args, num_actions):
         super().__init__()
-        self.trunk = ImpalaCNN(args.channels, args.hidden_size, args.init)
+        self.trunk = ImpalaCNN(args.channels, args.hidden_size, args.init, args.channels_last)
         self.actor = make_head(args.hidden_size, num_actions, 0.01, args.init)
         self.critic = make_head(args.hidden_size, 1, 1.0, args.init)
 
@@ -517,11 +519,31 @@ def thread_budget(args, device):
     return env_threads, torch_threads
 
 
+def catch_interrupt():
+    """The first Ctrl-C only raises a flag that the training loop reads where it can stop cleanly, so a checkpoint
+    never holds half an update; a second Ctrl-C stops at once (keeping the last checkpoint)."""
+    requested = []
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+        print("\nCtrl-C: stopping at the next clean point to save a checkpoint (Ctrl-C again: stop now)", flush=True)
+    signal.signal(signal.SIGINT, handler)
+    return requested
+
+
 class Logger:
     """Each row goes to runs/<run_name>/metrics.jsonl and, with --track, to wandb (step = global_step)."""
 
-    def __init__(self, args, run_name, run_dir):
-        self.file, self.wandb = open(os.path.join(run_dir, "metrics.jsonl"), "a"), None
+    def __init__(self, args, run_name, run_dir, resume_iteration=None):
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["iteration"] <= resume_iteration]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self.file, self.wandb = open(path, "a"), None
         if args.track:
             import wandb
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
@@ -553,6 +575,9 @@ def load_checkpoint(path, args):
     """The checkpoint's args win, except the RUNTIME_FLAGS given on this command line."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     saved = {**checkpoint["args"], **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS}}
+    unknown = set(saved) - set(Args.__dataclass_fields__)
+    if unknown:
+        raise SystemExit(f"error: {path} was written by another script (it has flags {sorted(unknown)})")
     return checkpoint, Args(**{**saved, "channels": tuple(saved["channels"]),
                                "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
 
@@ -565,11 +590,11 @@ def write_video(path, frames, fps=15):
 
 @torch.no_grad()
 def evaluate(agent, args, device, seed, video_path=None):
-    """Mean raw return of the stochastic policy on levels it did not train on: with --num-levels N > 0, levels are
-    drawn from the unbounded distribution (as in train-procgen's test worker; the N training levels have
-    vanishing weight); with N = 0 training already covers the full distribution. One episode per env."""
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0,
-                                                 args.start_level + args.num_levels, args.env_threads))
+    """Mean raw return of the stochastic policy, one episode per env, on levels drawn from the unbounded level
+    distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
+    not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0, 0,
+                                                 args.env_threads))
     obs, _ = envs.reset(seed=seed)
     returns, frames = np.full(args.eval_episodes, np.nan), [obs[0]]
     while np.isnan(returns).any():
@@ -599,6 +624,7 @@ def train(args):
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.env_threads, torch_threads = thread_budget(args, device)
     torch.set_num_threads(torch_threads)
@@ -606,9 +632,9 @@ def train(args):
     start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
     run_name = checkpoint["run_name"] if args.resume else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
-    run_dir = os.path.join("runs", run_name)
+    run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
     os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir)
+    logger = Logger(args, run_name, run_dir, resume_iteration=start_iteration - 1 if args.resume else None)
 
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -626,7 +652,8 @@ def train(args):
         logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
                     "eval/normalized_score": score, "time/eval": time.time() - start}, video)
         print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-              + (f", normalized score {score:.3f}" if score is not None else "") + (f", video {video}" if video else ""))
+              + (f", normalized score {score:.3f}" if score is not None else "")
+              + (f", video {video}" if video else ""))
 
     if args.eval_only:
         run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
@@ -669,7 +696,7 @@ def train(args):
                     with contextlib.suppress(queue.Full):
                         unrolls.put(unroll, timeout=0.1)
                         break
-        except Exception as error:  # handed to the learner, which re-raises it: the run stops with its message
+        except BaseException as error:  # handed to the learner, which re-raises it: the run stops with its message
             errors.append(error)
 
     def next_unroll():  # the learner's end of the queue, where an actor's exception stops the run
@@ -678,12 +705,18 @@ def train(args):
                 return unrolls.get(timeout=0.1)
         raise errors[0]
 
+    def stop_actors():  # each actor finishes its unroll (or its wait on the queue) and returns
+        stop.set()
+        for thread in threads:
+            thread.join()
+
     threads = [threading.Thread(target=actor, args=(i,), name=f"actor-{i}", daemon=True)
                for i in range(args.num_actors)]
     for thread in threads:
         thread.start()
     global_step, completed = (start_iteration - 1) * steps_per_iteration, start_iteration - 1
     start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
+    interrupted = catch_interrupt()
     try:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:
@@ -724,16 +757,16 @@ def train(args):
             # None on CPU). Eval rows as in PPO.
             recent_returns.extend(episode_returns)
             sps = (global_step - start_step) / (time.time() - start_time)
-            mean = lambda values: float(np.mean(values)) if len(values) else None
+            average = lambda xs: float(np.mean(xs)) if len(xs) else None
             losses = dict(zip(stats[0], torch.stack([torch.stack(list(s.values())) for s in stats]).mean(0).tolist()))
             lag_counts = np.bincount(lags, minlength=args.max_policy_lag + 1).tolist()
             logger.log({"global_step": global_step, "iteration": iteration, "time": time.time() - start_time,
                         "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                        "charts/episodes": len(episode_returns), "charts/episodic_return": mean(episode_returns),
-                        "charts/episodic_length": mean(episode_lengths),
-                        "charts/episodic_return_last100": mean(recent_returns),
+                        "charts/episodes": len(episode_returns), "charts/episodic_return": average(episode_returns),
+                        "charts/episodic_length": average(episode_lengths),
+                        "charts/episodic_return_last100": average(recent_returns),
                         **{f"losses/{key}": value for key, value in losses.items()},
-                        "policy_lag/mean": mean(lags), "policy_lag/max": max(lags), "policy_lag/dropped": dropped,
+                        "policy_lag/mean": average(lags), "policy_lag/max": max(lags), "policy_lag/dropped": dropped,
                         **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)},
                         "time/wait": wait_time, "time/learn": learn_time,
                         "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
@@ -741,8 +774,8 @@ def train(args):
             completed = iteration
             eta = (num_iterations - iteration) * steps_per_iteration / sps / 60
             print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (wait {wait_time:.1f}s, "
-                  f"learn {learn_time:.1f}s) | ETA {eta:.1f} min | lag {mean(lags):.2f} (max {max(lags)}, dropped "
-                  f"{dropped}) | return " + (f"{mean(episode_returns):.2f} ({len(episode_returns)} eps)"
+                  f"learn {learn_time:.1f}s) | ETA {eta:.1f} min | lag {average(lags):.2f} (max {max(lags)}, dropped "
+                  f"{dropped}) | return " + (f"{average(episode_returns):.2f} ({len(episode_returns)} eps)"
                                              if episode_returns else "-")
                   + f" | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f} ent {losses['entropy']:.3f}"
                   f" kl {losses['approx_kl']:.4f}", flush=True)
@@ -751,20 +784,21 @@ def train(args):
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
+            if interrupted:  # Ctrl-C: stop here, between iterations, with nothing half done (actors first)
+                stop_actors()
+                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
+                print(f"interrupted: saved iteration {iteration} to {run_dir}/checkpoint.pt; continue with --resume")
+                raise SystemExit(130)
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
+        stop_actors()
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
-        raise SystemExit(f"error: {error} after iteration {completed}; the last finite weights are saved in {path}; "
-                         "try a lower --learning-rate")
-    except KeyboardInterrupt:  # nothing is lost: keep everything up to the last finished iteration
-        path = os.path.join(run_dir, "checkpoint.pt")
-        save_checkpoint(path, **checkpoint_state(completed))
-        print(f"\ninterrupted: saved iteration {completed} to {path}; continue with --resume {path}")
-        raise
+        raise SystemExit(f"error: {error} after iteration {completed}; the weights before that step are saved in "
+                         f"{path} (resume it with a lower --learning-rate, say)")
     finally:
-        stop.set()  # each actor finishes its unroll (or its wait on the queue) and returns; then its games close
-        for thread, envs in zip(threads, actor_envs):
-            thread.join()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop_actors()
+        for envs in actor_envs:
             envs.close()
         logger.close()
     return run_dir

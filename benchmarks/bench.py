@@ -7,13 +7,15 @@ ratios are taken pair by pair, because absolute times on shared machines drift.
   python benchmarks/bench.py --script ppo_procgen.py --iterations 20 \
       --config plain="--no-channels-last" --config fast="--channels-last --compile --amp"
 
-Reports, per configuration: SPS (median and min-max over the measured iterations of all rounds; "overall" divides all
-measured steps by all measured time, PPG's auxiliary phases included), the time split per
-iteration (env stepping, policy inference + host-device copies, learning, PPG auxiliary phase), peak host RSS of
-the process and peak GPU memory; then the ratio of each configuration's median SPS to the first one's, per round.
+Works with ppo_procgen.py, ppg_procgen.py and vtrace.py. Reports, per configuration: SPS (median and min-max over the
+measured iterations of all rounds; "overall" divides all measured steps by all measured time, PPG's auxiliary phases
+included), the median seconds per iteration of each phase the script logs (time/*: env stepping, rollout = env +
+policy inference + host-device copies, update; PPG's auxiliary phase; V-trace's learner wait and learn), peak host RSS
+of the process and peak GPU memory; then each configuration's SPS over the first one's, per round (median quoted).
 Writes the same as JSON (--out).
 """
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -23,50 +25,57 @@ import sys
 import tempfile
 import time
 
+import tyro
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def batch_size(flags):
-    """num_envs * num_steps as the script will see them (its defaults: 64 x 256)."""
-    def value(name, default):
-        return int(flags[flags.index(name) + 1]) if name in flags else default
-    return value("--num-envs", 64) * value("--num-steps", 256)
+def steps_per_iteration(script, flags):
+    """Environment steps per training iteration at these flags, read from the script's own Args."""
+    sys.path.insert(0, ROOT)
+    module = importlib.import_module(os.path.splitext(script)[0])
+    args = tyro.cli(module.Args, args=flags)
+    if hasattr(args, "updates_per_iteration"):  # vtrace.py: updates x unrolls per update x unroll length
+        return args.updates_per_iteration * args.batch_size * args.unroll_length
+    return args.num_envs * args.num_steps
 
 
 def run_once(script, flags, iterations, warmup, workdir):
-    """One training process; returns its per-iteration rows (after warm-up) and its peak RSS."""
-    total = (warmup + iterations) * batch_size(flags)
+    """One training process; returns its measured iteration rows (after warm-up), its auxiliary-phase rows (PPG)
+    and its peak RSS."""
+    total = (warmup + iterations) * steps_per_iteration(script, flags)
     command = [sys.executable, os.path.join(ROOT, script), *flags, "--total-timesteps", str(total),
                "--eval-every", "0", "--eval-episodes", "1", "--exp-name", "bench"]
-    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(process.pid, 0)  # the child's own resource usage: its peak RSS
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise SystemExit(f"error: {' '.join(command)} failed:\n{process.stderr.read()[-3000:]}")
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty child can never block on it
+        process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # the child's own resource usage: its peak RSS
+        if os.waitstatus_to_exitcode(status) != 0:
+            stderr.seek(0)
+            raise SystemExit(f"error: {' '.join(command)} failed:\n{stderr.read()[-3000:]}")
     run_dir = max((os.path.join(workdir, "runs", d) for d in os.listdir(os.path.join(workdir, "runs"))),
                   key=os.path.getmtime)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    iteration_rows = [r for r in rows if "time/update" in r][warmup:]
-    aux_rows = [r for r in rows if "time/aux_phase" in r]
-    return iteration_rows, aux_rows, usage.ru_maxrss * 1024  # Linux reports KiB
+    iteration_rows = [r for r in rows if "charts/SPS" in r]
+    # Each measured iteration's time is the gap since the previous row: everything the loop did, PPG's auxiliary
+    # phase included (it runs between two iteration rows).
+    measured = [dict(r, steps=r["global_step"] - p["global_step"], seconds=r["time"] - p["time"])
+                for p, r in zip(iteration_rows[warmup - 1 :], iteration_rows[warmup:])]
+    return measured, [r for r in rows if "time/aux_phase" in r], usage.ru_maxrss * 1024  # Linux reports KiB
 
 
-def summarize(name, rounds, batch):
+def summarize(name, rounds):
     """Pool the measured iterations of all rounds."""
-    rows = [r for iteration_rows, _, _ in rounds for r in iteration_rows]
+    rows = [r for measured, _, _ in rounds for r in measured]
+    sps = [r["steps"] / r["seconds"] for r in rows]
+    splits = sorted({key for r in rows for key in r if key.startswith("time/")})
     aux = [r["time/aux_phase"] for _, aux_rows, _ in rounds for r in aux_rows]
-    per_iteration = [r["time/rollout"] + r["time/update"] for r in rows]
-    sps = [batch / t for t in per_iteration]
-    median = lambda key: statistics.median(r[key] for r in rows)
     gpu = [r.get("perf/gpu_memory_gb") for r in rows if r.get("perf/gpu_memory_gb") is not None]
     return {"config": name, "iterations": len(rows), "sps_median": statistics.median(sps), "sps_min": min(sps),
-            "sps_max": max(sps), "env_s": median("time/env"), "policy_s": median("time/rollout") - median("time/env"),
-            "learn_s": median("time/update"), "aux_phase_s": statistics.median(aux) if aux else None,
-            # all measured steps over all measured time, PPG's auxiliary phases included
-            "sps_overall": batch * len(rows) / (sum(per_iteration) + sum(aux)),
-            "round_sps_medians": [statistics.median(batch / (r["time/rollout"] + r["time/update"]) for r in it)
-                                  for it, _, _ in rounds],
+            "sps_max": max(sps), "sps_overall": sum(r["steps"] for r in rows) / sum(r["seconds"] for r in rows),
+            "seconds_per_iteration": {key[5:]: statistics.median(r[key] for r in rows) for key in splits},
+            "aux_phase_s": statistics.median(aux) if aux else None,
+            "round_sps": [sum(r["steps"] for r in m) / sum(r["seconds"] for r in m) for m, _, _ in rounds],
             "peak_rss_gb": max(rss for _, _, rss in rounds) / 2**30, "peak_gpu_gb": max(gpu) if gpu else None}
 
 
@@ -77,12 +86,12 @@ def main(argv=None):
                         help="a named flag set (repeatable); the first is the baseline of the ratios")
     parser.add_argument("--common", default="", help="flags added to every configuration")
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations per run")
-    parser.add_argument("--warmup", type=int, default=2, help="iterations dropped at the start of each run")
+    parser.add_argument("--warmup", type=int, default=2, help="iterations dropped at the start of each run (>= 1)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of A B ... alternation")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--iterations and --repeats must be >= 1 and --warmup >= 0")
+    if min(args.iterations, args.warmup, args.repeats) < 1:
+        parser.error("--iterations, --warmup and --repeats must be >= 1 (the first iteration times the start-up)")
     configs = [c.split("=", 1) if "=" in c else (c, c) for c in (args.config or ["default="])]
     configs = [(name, shlex.split(args.common) + shlex.split(flags)) for name, flags in configs]
     rounds = {name: [] for name, _ in configs}
@@ -92,21 +101,19 @@ def main(argv=None):
                 start = time.time()
                 rounds[name].append(run_once(args.script, flags, args.iterations, args.warmup, workdir))
                 print(f"round {round_index + 1}/{args.repeats} {name}: {time.time() - start:.0f}s", file=sys.stderr)
-    results = [summarize(name, rounds[name], batch_size(flags)) for name, flags in configs]
-    base = results[0]["round_sps_medians"]
+    results = [summarize(name, rounds[name]) for name, _ in configs]
     for result in results:
-        ratios = [b / a for a, b in zip(base, result["round_sps_medians"])]
+        ratios = [b / a for a, b in zip(results[0]["round_sps"], result["round_sps"])]
         result["sps_ratio_to_first"] = {"median": statistics.median(ratios), "per_round": ratios}
-    header = f"{'config':<14}{'SPS median':>11}{'(min-max)':>17}{'overall':>9}{'env s':>8}{'policy s':>9}{'learn s':>9}" \
-             f"{'aux s':>8}{'RSS GB':>8}{'GPU GB':>8}{'ratio':>7}"
-    print(f"{args.script}, {args.iterations} iterations x {args.repeats} rounds after {args.warmup} warm-up")
-    print(header)
+    print(f"{args.script}, {args.iterations} iterations x {args.repeats} rounds after {args.warmup} warm-up; "
+          "SPS per iteration (median, min-max), overall (all steps / all time), seconds per iteration by phase")
     for r in results:
-        fmt = lambda x, spec: "-" if x is None else format(x, spec)
         spread = f"({r['sps_min']:,.0f}-{r['sps_max']:,.0f})"
-        print(f"{r['config']:<14}{r['sps_median']:>11,.0f}{spread:>17}{r['sps_overall']:>9,.0f}"
-              f"{r['env_s']:>8.3f}{r['policy_s']:>9.3f}{r['learn_s']:>9.3f}{fmt(r['aux_phase_s'], '.2f'):>8}"
-              f"{r['peak_rss_gb']:>8.2f}{fmt(r['peak_gpu_gb'], '.2f'):>8}{r['sps_ratio_to_first']['median']:>7.2f}")
+        phases = " ".join(f"{key} {value:.3f}" for key, value in r["seconds_per_iteration"].items())
+        aux = f" aux_phase {r['aux_phase_s']:.2f}" if r["aux_phase_s"] is not None else ""
+        gpu = f", GPU {r['peak_gpu_gb']:.2f} GB" if r["peak_gpu_gb"] is not None else ""
+        print(f"{r['config']:<16} SPS {r['sps_median']:>9,.0f} {spread:>17} overall {r['sps_overall']:>9,.0f} | "
+              f"{phases}{aux} | RSS {r['peak_rss_gb']:.2f} GB{gpu} | ratio {r['sps_ratio_to_first']['median']:.2f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -1,9 +1,11 @@
 """ppg_procgen.py: the auxiliary phase, both architectures, the memory check, learning, and the CLI end to end."""
 import contextlib
 import copy
+import glob
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 
@@ -53,7 +55,8 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_before, kl_before, value_before = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert kl_before == 0  # pi_old is the starting policy
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+                                contextlib.nullcontext)
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
     assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
@@ -68,7 +71,8 @@ def test_kl_is_zero_when_nothing_moves():
     agent = ppg.Agent(args, num_actions=15)
     aux_obs, aux_returns = cue_buffer()
     optimizer = torch.optim.Adam(agent.parameters(), lr=0.0)
-    stats = ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+                                contextlib.nullcontext)
     assert abs(stats["aux/kl"]) < 1e-7 and stats["aux/value_loss"] > 0.1
 
 
@@ -80,7 +84,8 @@ def test_gradient_accumulation_gives_the_same_step():
         args = tiny_args(e_aux=1, num_aux_rollouts=4, n_aux_grad_accum=accum)
         agent = ppg.Agent(args, num_actions=15)
         optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
-        ppg.auxiliary_phase(agent, optimizer, aux_obs, aux_returns, args, torch.device("cpu"), contextlib.nullcontext)
+        ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+                                contextlib.nullcontext)
         results.append(torch.cat([p.flatten() for p in agent.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
 
@@ -101,26 +106,50 @@ def test_value_loss_never_reaches_the_policy_network(arch):
         assert agent.value_trunk is None
 
 
-def test_policy_update_is_the_ppo_update():
-    """The policy phase calls the very update PPO uses: same network, data and seed give the same weights."""
-    torch.manual_seed(3)
-    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2, adv_norm="minibatch")
-    agent_ppg = ppg.Agent(args, num_actions=15)
-    agent_ppo = copy.deepcopy(agent_ppg)
-    obs = torch.randint(0, 256, (32, 64, 64, 3), dtype=torch.uint8)
+def tiny_batch(agent, size=32):
+    obs = torch.randint(0, 256, (size, 64, 64, 3), dtype=torch.uint8)
     with torch.no_grad():
-        logits, values = agent_ppg(obs)
+        logits, values = agent(obs)
     actions = ppg.sample_action(logits)
-    batch = dict(obs=obs, actions=actions, log_probs=ppg.log_prob_entropy(logits, actions)[0], values=values,
-                 advantages=torch.randn(32), returns=values + torch.randn(32))
-    stats = []
-    for module, agent in ((ppg, agent_ppg), (ppo, agent_ppo)):
+    return dict(obs=obs, actions=actions, log_probs=ppg.log_prob_entropy(logits, actions)[0], values=values,
+                advantages=torch.randn(size), returns=values + torch.randn(size))
+
+
+def test_value_only_epochs_leave_the_policy_network_alone():
+    """E_V > E_pi: in the extra value epochs the policy network gets no gradient at all, so Adam's momentum cannot
+    move it either: its weights end exactly where E_V = E_pi leaves them."""
+    torch.manual_seed(3)
+    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2)
+    agent = ppg.Agent(args, num_actions=15)
+    batch = tiny_batch(agent)
+    policy_weights = []
+    for e_v in (1, 3):
+        trained = copy.deepcopy(agent)
         torch.manual_seed(4)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-        stats.append(module.ppo_update(agent, optimizer, batch, args, 2, 2, contextlib.nullcontext))
-    assert stats[0] == stats[1]
-    for p, q in zip(agent_ppg.parameters(), agent_ppo.parameters()):
-        assert torch.equal(p, q)
+        ppg.ppo_update(trained, torch.optim.Adam(trained.parameters(), lr=1e-3), batch, args, 1, e_v,
+                       contextlib.nullcontext)
+        policy_weights.append([p.clone() for m in (trained.trunk, trained.actor) for p in m.parameters()])
+        value_weights = [p.clone() for m in (trained.value_trunk, trained.critic) for p in m.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(*policy_weights))
+    assert not all(torch.equal(p, q) for p, q in zip(value_weights, agent.value_trunk.parameters()))
+
+
+def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch):
+    """--e-aux 0: PPG's whole loop (rollouts, GAE, policy-phase updates, logging) reproduces PPO's loop run on the
+    same networks with the same settings, number for number."""
+    cue_env(ppg)
+    cue_env(ppo)
+    monkeypatch.setattr(ppo, "Agent", ppg.Agent)
+    common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
+                  channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed")
+    ppo_args = ppo.Args(**common, update_epochs=1)
+    ppo_args.arch = "detach"  # what PPG's Agent reads
+    ppg_rows = read_rows(ppg.train(ppg.Args(**common, e_pi=1, e_v=1, e_aux=0, n_pi=2, save_every=2, arch="detach")))
+    ppo_rows = read_rows(ppo.train(ppo_args))
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time", "charts/SPS"))} for r in rows
+                         if "aux/kl" not in r]
+    assert drop(ppg_rows) == drop(ppo_rows)
+    assert len(drop(ppo_rows)) == 6  # 4 iterations + 2 evaluations
 
 
 def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
@@ -137,6 +166,8 @@ def test_bad_ppg_flags_fail_at_once():
         ppg.check_args(ppg.Args(save_every=100))
     with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide --num-aux-rollouts 4"):
         ppg.check_args(ppg.Args(n_aux_grad_accum=3))
+    with pytest.raises(SystemExit, match="--e-v 0 must be > 0"):
+        ppg.check_args(ppg.Args(e_v=0))
     with pytest.raises(SystemExit, match="--n-pi 0 must be > 0"):
         ppg.check_args(ppg.Args(n_pi=0))
 
@@ -187,14 +218,40 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["iteration"] == 4 and "aux_optimizer" in checkpoint
     assert (checkpoint["args"]["arch"] == arch) and (("value_trunk.net.0.weight" in checkpoint["agent"]) == (arch == "dual"))
-    # Pretend the run was cut after its first phase: resume from a copy whose counters say so.
+    # Pretend the run was cut after its first phase: resume from a copy whose counters say so. The rows logged after
+    # that point are dropped and logged again by the resumed run, into the same run directory.
     checkpoint.update(iteration=2, global_step=64)
-    torch.save(checkpoint, "phase1.pt")
-    result = run_script("--resume", "phase1.pt")
+    torch.save(checkpoint, os.path.join("runs", run, "phase1.pt"))
+    first_rows = read_rows(os.path.join("runs", run))
+    result = run_script("--resume", os.path.join("runs", run, "phase1.pt"))
     assert result.returncode == 0, result.stderr
     assert "resuming" in result.stdout and result.stdout.count("aux phase: policy phase") == 1
     rows = read_rows(os.path.join("runs", run))
-    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4, 3, 4]
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4]
+    assert rows[:3] == first_rows[:3] and rows[3:] != first_rows[3:]  # iterations 1, 2 and the first aux row kept
     assert rows[-1]["global_step"] == 128 and "eval/episodic_return" in rows[-1]
     result = run_script("--eval-only", "--checkpoint", path)
     assert result.returncode == 0 and "eval @ 128 steps" in result.stdout, result.stderr
+
+
+def test_ctrl_c_stops_at_the_next_phase_boundary(cue_env, in_tmp, monkeypatch):
+    """The first Ctrl-C lets the phase finish (its auxiliary phase included), then saves: the checkpoint is always at a
+    phase boundary, where the auxiliary buffer is empty."""
+    cue_env(ppg)
+    update, calls = ppg.ppo_update, []
+
+    def update_then_ctrl_c(*arguments):
+        calls.append(1)
+        if len(calls) == 4:  # in iteration 4, the first of the second phase
+            os.kill(os.getpid(), signal.SIGINT)
+        return update(*arguments)
+
+    monkeypatch.setattr(ppg, "ppo_update", update_then_ctrl_c)
+    args = ppg.Args(env_id="coinrun", total_timesteps=12 * 32, num_envs=4, num_steps=8, num_minibatches=2,
+                    channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3)
+    with pytest.raises(SystemExit, match="130"):
+        ppg.train(args)
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    assert torch.load(path, weights_only=False)["iteration"] == 6
+    rows = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6]

@@ -1,5 +1,6 @@
 """ppo_procgen.py: GAE against its definition, the Procgen adapter, the PPO loss, learning, and the CLI end to end."""
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -219,7 +220,8 @@ def test_ppo_learns_the_cue_task(cue_env, in_tmp):
 def test_same_seed_same_run_on_cpu(in_tmp):
     args = ppo.Args(env_id="bigfish", num_envs=4, num_steps=32, num_minibatches=2, total_timesteps=256, channels=(4,),
                     hidden_size=16, eval_episodes=2)
-    first, second = read_rows(ppo.train(args)), read_rows(ppo.train(args))
+    first = read_rows(ppo.train(args))
+    second = read_rows(ppo.train(dataclasses.replace(args, exp_name="again")))  # another run directory
     losses = lambda rows: [(r["global_step"], r.get("losses/policy_loss"), r.get("losses/value_loss"),
                             r.get("eval/episodic_return")) for r in rows]
     assert losses(first) == losses(second)
@@ -230,7 +232,7 @@ def test_nonfinite_loss_saves_a_checkpoint_and_stops(monkeypatch, in_tmp):
     monkeypatch.setattr(ppo, "compute_gae", lambda rewards, *args: torch.full_like(rewards, float("nan")))
     args = ppo.Args(env_id="bigfish", num_envs=2, num_steps=8, num_minibatches=1, total_timesteps=32, channels=(4,),
                     hidden_size=16)
-    with pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the last finite weights are saved"):
+    with pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the weights before that step are saved"):
         ppo.train(args)
     (run,) = os.listdir("runs")
     checkpoint = torch.load(os.path.join("runs", run, "checkpoint_nonfinite.pt"), weights_only=False)

@@ -1,5 +1,13 @@
-"""Tests of ppo_rlhf_toy.py: golden values from ../shared/reference/rlhf_ppo.md section 7, checks against float64
-hand computations, PPO against the exact KL-regularised optimum of an enumerable task, and small end-to-end runs."""
+"""Tests of ppo_rlhf_toy.py: golden values worked out by hand from the published formulas, checks against float64
+naive computations, PPO against the exact KL-regularised optimum of an enumerable task, and small end-to-end runs.
+
+Formulas: Bradley-Terry preference likelihood (Bradley & Terry 1952; the RM loss of Ziegler et al. 2019 and
+Stiennon et al. 2020); GAE (Schulman et al. 2016, arXiv 1506.02438, eq. 16); the k1/k3 KL estimators (Schulman,
+"Approximating KL divergence", 2020, joschu.net/blog/kl-approx.html); the adaptive KL controller (Ziegler et al.
+2019, arXiv 1909.08593, eq. 2); the best-of-n KL bound log n - (n-1)/n (Stiennon et al. 2020, arXiv 2009.01325,
+App. G.3); the reward-head init N(0, 1/sqrt(d+1)) of OpenAI's lm-human-preferences code; and the optimum of the
+KL-regularised objective E[r] - beta KL(pi || pi_ref), pi* = pi_ref exp(r / beta) / Z with value beta log Z
+(e.g. Rafailov et al. 2023, arXiv 2305.18290, eq. 4)."""
 import copy
 import dataclasses
 import itertools
@@ -27,7 +35,8 @@ def one_thread():
 def test_gae_golden():
     mask = torch.ones(2, 3)
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
-    advantages, returns = M.gae(rewards, torch.tensor([[0.0, 0.0, 0.0], [0.1, 0.2, 0.3]]), mask, gamma=1.0, lam=0.95)
+    values = torch.tensor([[0.0, 0.0, 0.0], [0.1, 0.2, 0.3]])
+    advantages, returns = M.gae(rewards, values, mask, gamma=1.0, lam=0.95)
     torch.testing.assert_close(advantages, torch.tensor([[0.9025, 0.95, 1.0], [0.82675, 0.765, 0.7]]))
     torch.testing.assert_close(returns[1], torch.tensor([0.92675, 0.965, 1.0]))
 
@@ -42,7 +51,8 @@ def test_gae_stops_at_the_mask_and_matches_a_naive_double_sum():
     for b, n in enumerate(lengths):  # A_t = sum_l (gamma lam)^l delta_{t+l}, with V = 0 after the last token
         v = lambda t: values[b, t].item() if t < n else 0.0
         for t in range(7):
-            expected = sum((gamma * lam) ** (l - t) * (rewards[b, l].item() + gamma * v(l + 1) - v(l)) for l in range(t, n))
+            deltas = [rewards[b, l].item() + gamma * v(l + 1) - v(l) for l in range(t, n)]
+            expected = sum((gamma * lam) ** i * delta for i, delta in enumerate(deltas))
             assert advantages[b, t].item() == pytest.approx(expected if t < n else 0.0, abs=1e-12)
             assert returns[b, t].item() == pytest.approx(expected + v(t) if t < n else 0.0, abs=1e-12)
 
@@ -50,7 +60,8 @@ def test_gae_stops_at_the_mask_and_matches_a_naive_double_sum():
 def test_whitening_golden_and_masked():
     x, ones = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.ones(4)
     torch.testing.assert_close(M.whiten(x, ones), torch.tensor([-1.341641, -0.447214, 0.447214, 1.341641]))
-    torch.testing.assert_close(M.whiten(x, ones, shift_mean=False), torch.tensor([1.158359, 2.052786, 2.947214, 3.841641]))
+    torch.testing.assert_close(M.whiten(x, ones, shift_mean=False),
+                               torch.tensor([1.158359, 2.052786, 2.947214, 3.841641]))
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])
     w = M.whiten(torch.tensor([1.0, 5.0, 100.0, 3.0, -50.0]), mask)  # masked entries must not matter
     assert M.masked_mean(w, mask).item() == pytest.approx(0.0, abs=1e-6)
@@ -114,10 +125,11 @@ def test_bradley_terry_loss_matches_hand_computation():
 
 
 def test_closed_form_optimum_golden():
-    pi_star, log_z, kl = closed_form_optimum(torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.0, 1.0], dtype=torch.float64), 0.5)
+    rewards = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    pi_star, log_z, kl = closed_form_optimum(torch.tensor([0.5, 0.5], dtype=torch.float64), rewards, 0.5)
     torch.testing.assert_close(pi_star, torch.tensor([0.119203, 0.880797], dtype=torch.float64), atol=1e-6, rtol=0)
     assert log_z == pytest.approx(1.433781, abs=1e-6) and kl == pytest.approx(0.327813, abs=1e-6)
-    assert (pi_star * torch.tensor([0.0, 1.0], dtype=torch.float64)).sum().item() - 0.5 * kl == pytest.approx(0.5 * log_z, abs=1e-9)
+    assert (pi_star * rewards).sum().item() - 0.5 * kl == pytest.approx(0.5 * log_z, abs=1e-9)
 
 
 def test_gold_reward_rules():
@@ -138,14 +150,16 @@ def test_response_mask_and_per_token_rewards_put_the_score_on_eos():
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     kl = torch.full((3, 4), 0.5)
     rewards = M.per_token_rewards(kl, torch.tensor([10.0, 20.0, 30.0]), mask, beta=0.1)
-    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 9.95, 0, 0], [-0.05, -0.05, -0.05, 19.95], [29.95, 0, 0, 0]]))
+    expected = torch.tensor([[-0.05, 9.95, 0, 0], [-0.05, -0.05, -0.05, 19.95], [29.95, 0, 0, 0]])
+    torch.testing.assert_close(rewards, expected)
 
 
 def test_rm_score_is_read_at_eos_whatever_the_padding():
     torch.manual_seed(0)
     args = M.Args(d_model=32, n_heads=4)
     rm = M.make_model(args, 1)
-    words = [["the", "movie", "was", "great", "."], ["a", "cast", "felt", "not", "very", "dull", "and", "fun", "."], ["the", "plot", "is", "bland", "."]]
+    words = [["the", "movie", "was", "great", "."], ["a", "cast", "felt", "not", "very", "dull", "and", "fun", "."],
+             ["the", "plot", "is", "bland", "."]]
     rows = [[M.BOS] + [M.TOKEN[w] for w in s] for s in words]
     alone = [M.score_at_eos(rm(torch.tensor([r])), torch.tensor([r])).item() for r in rows]
     for left, right in [(0, 0), (0, 3), (2, 1), (5, 0)]:  # right padding, left padding and both, in one batch
@@ -189,7 +203,8 @@ def test_rollout_logprobs_equal_recomputed_and_first_minibatch_ratio_is_one():
 
 
 def test_temperature_is_applied_in_every_pass():
-    """If rollout and update disagreed on temperature, the first ratio would not be 1 (reference detail 5)."""
+    """Logits are divided by the temperature in every pass; if rollout and update disagreed, the first ratio would
+    not be 1 (Huang et al. 2024, the N+ implementation details of RLHF with PPO)."""
     args, policy, ref, critic, score_fn = small_setup(temperature=0.5)
     batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
     wrong = M.response_logprobs(policy, batch["queries"], batch["responses"], 1.0)[0] * batch["mask"]
@@ -261,8 +276,8 @@ def enumerable_task(seed=0):
 
 def run_enumerable_ppo(beta, iterations, lr, seed=0):
     responses, rewards, score_fn, ref = enumerable_task(seed)
-    args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=beta, ppo_iterations=iterations, rollout_batch_size=256,
-                  num_minibatches=4, ppo_lr=lr)
+    args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=beta, ppo_iterations=iterations,
+                  rollout_batch_size=256, num_minibatches=4, ppo_lr=lr)
     policy, critic = copy.deepcopy(ref).requires_grad_(True), TablePolicy(1, 0.0)
     prompt_fn = lambda n: torch.full((n, 1), M.BOS)
     M.run_ppo(args, beta, policy, ref, critic, score_fn, prompt_fn, eos_id=ENUM_EOS)
@@ -306,7 +321,8 @@ def test_ppo_losses_match_a_naive_per_token_computation():
             vf_terms.append(0.5 * max((values[i, j] - returns[i, j]) ** 2, (v_clip - returns[i, j]) ** 2).item())
     assert pg.item() == pytest.approx(sum(pg_terms) / len(pg_terms), abs=1e-12)
     assert vf.item() == pytest.approx(sum(vf_terms) / len(vf_terms), abs=1e-12)
-    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-12) and 0 < stats["clipfrac"] < 1
+    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-12)
+    assert 0 < stats["clipfrac"] < 1
 
 
 def test_huge_beta_keeps_the_policy_at_the_reference():
@@ -319,14 +335,15 @@ def test_huge_beta_keeps_the_policy_at_the_reference():
 
 
 # ---------------------------------------------------------------- end to end
-TINY = dict(corpus_size=3000, sft_steps=250, num_pairs=3000, rm_epochs=3, rm_lr=3e-3, ppo_iterations=25, rollout_batch_size=64,
-            eval_samples=256, bon_pool=16, sample_every=1000)
+TINY = dict(corpus_size=3000, sft_steps=250, num_pairs=3000, rm_epochs=3, rm_lr=3e-3, ppo_iterations=25,
+            rollout_batch_size=64, eval_samples=256, bon_pool=16)
 
 
 def test_end_to_end_small(in_tmp):
     tmp_path = in_tmp
     summary = M.train(M.Args(**TINY, save_model=True))
-    print(json.dumps({k: v for k, v in summary.items() if k.startswith("rm/")}), summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith("rm/")}),
+          summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
     assert summary["rm/heldout_acc"] > 0.6 and summary["rm/heldout_acc_gold"] > 0.65
     sft, ppo = summary["sft"], summary["ppo"]["0.05"]
     assert ppo["gold/score"] > sft["gold/score"] + 0.5 and ppo["proxy/score"] > sft["proxy/score"] + 0.5
@@ -334,18 +351,43 @@ def test_end_to_end_small(in_tmp):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ppo_records = [r for r in records if r["stage"] == "ppo"]
     assert len(ppo_records) == TINY["ppo_iterations"]
-    for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores", "objective/rlhf_reward",
-                "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg", "loss/value_avg",
-                "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "gold/score",
-                "proxy/score", "gold/grammar_rate", "gold/eos_rate"]:
+    for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
+                "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+                "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var",
+                "val/num_eos_tokens", "lr", "episode", "eps", "gold/score", "proxy/score", "gold/grammar_rate",
+                "gold/eos_rate"]:
         assert key in ppo_records[0], key
     assert any("rm/heldout_acc" in r for r in records)
     assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "ppo_policy.pt", "rm.pt", "sft.pt"]  # no .tmp left behind
     # stages re-run separately: load both checkpoints, run PPO only
-    again = M.train(M.Args(**{**TINY, "ppo_iterations": 2}, load_sft=str(run_dir / "sft.pt"), load_rm=str(run_dir / "rm.pt")))
+    sft_path, rm_path = str(run_dir / "sft.pt"), str(run_dir / "rm.pt")
+    again = M.train(M.Args(**{**TINY, "ppo_iterations": 2}, load_sft=sft_path, load_rm=rm_path))
     assert again["rm/heldout_acc"] == summary["rm/heldout_acc"] and again["rm/bias"] == summary["rm/bias"]
     assert again["sft"]["gold/grammar_rate"] > 0.9  # the loaded SFT policy is the trained one, not a fresh model
-    assert again["sft"]["gold/score"] == pytest.approx(summary["sft"]["gold/score"], abs=0.35)  # same model, new samples
+    # same model, new samples
+    assert again["sft"]["gold/score"] == pytest.approx(summary["sft"]["gold/score"], abs=0.35)
+    # --load-sft alone, with architecture flags that differ from the checkpoint's and a shorter response length:
+    # the RM is built from the loaded SFT model's own config, so this trains an RM instead of failing
+    quick = dict(TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
+    third = M.train(M.Args(**quick, d_model=32, n_layers=1, n_heads=2, max_response_len=10, load_sft=sft_path))
+    assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm/train_pairs"] > 100
+
+
+def test_a_checkpoint_that_cannot_serve_the_flags_fails_at_once_with_one_line(in_tmp):
+    policy = lambda vocab, max_len: M.TinyTransformer(vocab, vocab, 16, 1, 2, max_len, banned_tokens=(M.PAD, M.BOS))
+    M.save_checkpoint("short.pt", policy(len(M.VOCAB), M.PROMPT_LEN + 8))  # room for 8 response tokens
+    M.save_checkpoint("other_vocab.pt", policy(20, 16))
+    M.save_checkpoint("reward_model.pt", M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 16))
+    for overrides, flag in [(dict(load_sft="short.pt"), "--max-response-len"),  # 12 > 8
+                            (dict(load_sft="other_vocab.pt"), "--load-sft"),
+                            (dict(load_sft="reward_model.pt"), "--load-sft"),  # not a policy
+                            (dict(load_sft="short.pt", load_rm="short.pt", max_response_len=8), "--load-rm")]:
+        with pytest.raises(SystemExit) as error:
+            M.train(M.Args(**overrides))
+        message = str(error.value)
+        assert message.startswith("error: ") and flag in message and "\n" not in message, message
+    assert not os.path.exists("runs")  # it failed before the run created anything
+    M.validate_args(M.Args(load_sft="short.pt", max_response_len=8))  # what the checkpoint supports is fine
 
 
 def test_same_seed_same_run(in_tmp):
@@ -354,7 +396,8 @@ def test_same_seed_same_run(in_tmp):
 
     def run(**overrides):  # everything the run reports except the timings
         summary = M.train(M.Args(**tiny, **overrides))
-        summary["histories"] = {b: [{k: v for k, v in h.items() if k != "eps"} for h in hs] for b, hs in summary["histories"].items()}
+        summary["histories"] = {b: [{k: v for k, v in h.items() if k != "eps"} for h in hs]
+                                for b, hs in summary["histories"].items()}
         return json.dumps({k: v for k, v in summary.items() if k != "wall_s"}, sort_keys=True)
 
     first = run()
@@ -362,9 +405,10 @@ def test_same_seed_same_run(in_tmp):
     assert run(seed=2) != first
 
 
-@pytest.mark.parametrize("overrides, flag", [(dict(num_minibatches=3), "--num-minibatches"), (dict(temperature=0.0), "--temperature"),
-                                             (dict(load_rm="x.pt", load_sft=None), "--load-rm"), (dict(sweep_betas=(0.1, -1.0)), "--sweep-betas"),
-                                             (dict(n_heads=5), "--n-heads")])
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(num_minibatches=3), "--num-minibatches"), (dict(temperature=0.0), "--temperature"),
+    (dict(load_rm="x.pt", load_sft=None), "--load-rm"), (dict(sweep_betas=(0.1, -1.0)), "--sweep-betas"),
+    (dict(n_heads=5), "--n-heads")])
 def test_bad_arguments_fail_fast_with_one_line(overrides, flag):
     with pytest.raises(SystemExit) as error:
         M.validate_args(dataclasses.replace(M.Args(), **overrides))

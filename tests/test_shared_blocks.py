@@ -15,8 +15,9 @@ def top_level(path):
     source = open(path).read()
     blocks = {}
     for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            blocks[node.name] = ast.get_source_segment(source, node)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):  # with decorators (get_source_segment leaves them out)
+            decorators = [ast.get_source_segment(source, d) for d in node.decorator_list]
+            blocks[node.name] = (decorators, ast.get_source_segment(source, node))
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             blocks[node.targets[0].id] = ast.get_source_segment(source, node)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

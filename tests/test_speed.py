@@ -23,6 +23,7 @@ def losses(run_dir):
 
 def test_fast_path_gives_the_plain_path_losses(in_tmp):
     """channels_last + torch.compile against the plain NCHW eager path: same seed, same losses up to float noise."""
+
     common = dict(env_id="bigfish", num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2,
                   total_timesteps=128, channels=(4, 8), hidden_size=16, eval_episodes=2, torch_threads=2)
     plain = losses(ppo.train(ppo.Args(**common, channels_last=False, compile=False)))
@@ -32,7 +33,8 @@ def test_fast_path_gives_the_plain_path_losses(in_tmp):
     assert np.abs(plain[:2, :2]).sum() > 0  # the comparison is not between zeros
 
 
-def test_thread_split_never_oversubscribes_the_cpu():
+def test_thread_split_gives_torch_the_cores_on_cpu():
+    """Rollout steps alternate between the games and the network, so their threads take turns (see thread_split)."""
     cores = len(os.sched_getaffinity(0))
     env_threads, torch_threads = ppo.thread_split(ppo.Args(), torch.device("cpu"))
     assert env_threads == 1 and torch_threads == cores
@@ -49,5 +51,28 @@ def test_benchmark_harness_at_tiny_flags(tmp_path):
     assert [r["config"] for r in saved["results"]] == ["plain", "fast"] == [r["config"] for r in results]
     for r in saved["results"]:
         assert r["iterations"] == 2 and 0 < r["sps_min"] <= r["sps_median"] <= r["sps_max"]
-        assert r["env_s"] >= 0 and r["learn_s"] > 0 and r["peak_rss_gb"] > 0.1 and r["peak_gpu_gb"] is None
+        assert set(r["seconds_per_iteration"]) == {"env", "rollout", "update"}
+        assert 0 <= r["seconds_per_iteration"]["env"] <= r["seconds_per_iteration"]["rollout"]
+        assert r["peak_rss_gb"] > 0.1 and r["peak_gpu_gb"] is None and r["aux_phase_s"] is None
     assert saved["results"][0]["sps_ratio_to_first"]["median"] == pytest.approx(1.0)
+
+
+def test_benchmark_harness_times_ppg_and_vtrace_too():
+    (ppg,) = bench.main(["--script", "ppg_procgen.py", "--iterations", "2", "--warmup", "1", "--common",
+                         "--env-id bigfish --num-envs 2 --num-steps 8 --num-minibatches 1 --channels 4 "
+                         "--hidden-size 8 --n-pi 1 --e-aux 1 --num-aux-rollouts 2 --save-every 1"])
+    assert ppg["aux_phase_s"] > 0 and ppg["sps_overall"] > 0
+    (impala,) = bench.main(["--script", "vtrace.py", "--iterations", "2", "--warmup", "1", "--common",
+                            "--env-id bigfish --num-actors 2 --envs-per-actor 2 --unroll-length 8 --batch-size 4 "
+                            "--updates-per-iteration 2 --channels 4 --hidden-size 8"])
+    assert set(impala["seconds_per_iteration"]) == {"wait", "learn"} and impala["sps_median"] > 0
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_channels_last_flag_sets_the_convolutions_input_layout(channels_last):
+    cnn = ppo.ImpalaCNN((4,), 8, "default", channels_last)
+    seen = []
+    cnn.net[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+    cnn(torch.zeros(2, 64, 64, 3, dtype=torch.uint8))
+    assert seen[0].is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert seen[0].is_contiguous() == (not channels_last)

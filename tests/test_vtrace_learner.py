@@ -181,10 +181,11 @@ def test_actor_learner_learns_the_cue_task_with_bounded_lag(cue_env, in_tmp):
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
 
 
-@pytest.mark.parametrize("where", ["actor", "learner", "nonfinite"])
+@pytest.mark.parametrize("where", ["actor", "learner", "second_ctrl_c", "nonfinite"])
 def test_errors_and_interrupts_stop_every_actor(where, cue_env, in_tmp, monkeypatch):
-    """An actor's exception stops the run with its message; Ctrl-C in the learner saves a checkpoint; a non-finite
-    loss saves the last finite weights; none of them leaves a thread behind or hangs."""
+    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes the iteration and saves a
+    checkpoint; a second Ctrl-C stops at once; a non-finite loss saves the last finite weights; none of them leaves a
+    thread behind or hangs."""
     cue_env(vtrace)
     calls, collect_unroll, vtrace_backward, vtrace_loss = [], vtrace.collect_unroll, vtrace.vtrace_backward, \
         vtrace.vtrace_loss
@@ -198,23 +199,29 @@ def test_errors_and_interrupts_stop_every_actor(where, cue_env, in_tmp, monkeypa
     def interrupted_learner(*arguments):
         calls.append(1)
         if len(calls) == 13:  # in iteration 2, after iteration 1 was logged
-            raise KeyboardInterrupt
+            if where == "learner":
+                os.kill(os.getpid(), signal.SIGINT)  # a real first Ctrl-C: the iteration finishes, then it stops
+            else:
+                raise KeyboardInterrupt  # what the second Ctrl-C raises
         return vtrace_backward(*arguments)
 
     monkeypatch.setattr(vtrace, *{
         "actor": ("collect_unroll", failing_actor), "learner": ("vtrace_backward", interrupted_learner),
+        "second_ctrl_c": ("vtrace_backward", interrupted_learner),
         "nonfinite": ("vtrace_loss", lambda *a, **k: tuple(x * float("nan") for x in vtrace_loss(*a, **k)))}[where])
     expected = {"actor": pytest.raises(ValueError, match="boom in an actor"),
-                "learner": pytest.raises(KeyboardInterrupt),
-                "nonfinite": pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the last finite")}
+                "learner": pytest.raises(SystemExit, match="130"), "second_ctrl_c": pytest.raises(KeyboardInterrupt),
+                "nonfinite": pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the weights before")}
     start = time.time()
     with expected[where]:
         vtrace.train(cue_args(updates_per_iteration=10, total_timesteps=10 * 1280))
     assert time.time() - start < 30 and not actor_threads()
-    if where != "actor":
+    if where in ("actor", "second_ctrl_c"):
+        assert not glob.glob("runs/*/checkpoint*.pt")  # nothing half done was saved
+    else:
         (path,) = glob.glob("runs/*/checkpoint*.pt")
         saved = torch.load(path, weights_only=False)
-        assert saved["iteration"] == (1 if where == "learner" else 0)
+        assert saved["iteration"] == (2 if where == "learner" else 0)
         assert all(torch.isfinite(p).all() for p in saved["agent"].values())
 
 
