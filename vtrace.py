@@ -60,7 +60,7 @@ class Args:
     env_threads: int = 0
     """procgen worker threads of each actor; 0 picks a value from the machine's cores (see `thread_budget`)"""
     # Algorithm. Adam on mean losses, lr, gamma, clip and reward normalization are the PPO script's Procgen settings;
-    # IMPALA's Atari ones (RMSProp, lr 6e-4 on summed losses, gamma 0.99, clip 40) are in the reference doc, section 3.
+    # IMPALA's Atari ones (RMSProp, lr 6e-4 on summed losses, gamma 0.99, clip 40) are in its paper, Table G.1.
     unroll_length: int = 20
     """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
     batch_size: int = 32

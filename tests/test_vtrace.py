@@ -1,7 +1,8 @@
-"""Numerical tests of the V-trace function in vtrace.py (reference: shared/reference/vtrace_impala.md, section 6).
+"""Numerical tests of the V-trace function in vtrace.py.
 
 Ground truth is written here, independently of vtrace.py, from the definitions (IMPALA paper Eq. 1 as a naive
-float64 double sum, the n-step return, GAE) plus golden numbers from the reference doc. Cases are numbered as there.
+float64 double sum, the n-step return, GAE), plus golden numbers: the test cases of deepmind/scalable_agent's and
+google-deepmind/rlax's V-trace tests and hand-derived values, each recomputed from the definitions in float64.
 """
 import os
 import sys
