@@ -275,10 +275,12 @@ class Agent(nn.Module):
         return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
 
-def sample_action(logits):
+def sample_action(logits, generator=None):
     """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation."""
-    return torch.argmax(logits - torch.log(-torch.log(torch.rand_like(logits))), dim=-1)
+    torch.distributions' argument validation. A thread that must not share torch's global RNG passes its own
+    `generator` (on the logits' device)."""
+    uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
 
 def log_prob_entropy(logits, actions):
@@ -426,6 +428,8 @@ class Logger:
                 kept = [line for line in f if json.loads(line)["iteration"] <= resume_iteration]
             with open(path, "w") as f:
                 f.writelines(kept)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
+            json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
         self.file, self.wandb = open(path, "a"), None
         if args.track:
             import wandb
