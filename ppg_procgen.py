@@ -9,7 +9,9 @@ import collections
 import contextlib
 import io
 import json
+import math
 import os
+import pickle
 import random
 import signal
 import time
@@ -451,26 +453,41 @@ def aux_buffer_device(args, device):
     return torch.device(where)
 
 
+def require(ok, message):
+    if not ok:
+        raise SystemExit(f"error: {message}")
+
+
+def check_ranges(args, positive=(), non_negative=(), fractions=()):
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    for flag in (*positive, *non_negative, *fractions):
+        value = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if value is None:
+            continue
+        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
+        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
+
+
 def check_args(args):
     """Fail at once, before anything heavy is allocated, with one line naming the flag."""
-    def require(ok, message):
-        if not ok:
-            raise SystemExit(f"error: {message}")
     require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
             + ", ".join(PROCGEN_RANGES))
-    for flag in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v",
-                 "num_aux_rollouts", "n_aux_grad_accum", "eval_episodes", "hidden_size", "save_every"):
-        require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
-    for flag in ("num_levels", "start_level", "env_threads", "torch_threads", "eval_every", "e_aux"):
-        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    check_ranges(args, positive=("total_timesteps", "num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v",
+                                 "num_aux_rollouts", "n_aux_grad_accum", "eval_episodes", "hidden_size", "save_every",
+                                 "learning_rate", "gamma", "clip_coef", "max_grad_norm", "target_kl", "adam_eps",
+                                 "reward_clip"),
+                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
+                               "e_aux", "beta_clone", "ent_coef", "vf_coef"),
+                 fractions=("gamma", "gae_lambda"))
     batch_size = args.num_envs * args.num_steps
     require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
             f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * "
             f"num_steps); try one of {[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
     require(args.total_timesteps >= batch_size, f"--total-timesteps {args.total_timesteps} is less than one "
             f"iteration (num_envs * num_steps = {batch_size})")
-    require(0 < args.gamma <= 1 and 0 <= args.gae_lambda <= 1, "--gamma must be in (0, 1], --gae-lambda in [0, 1]")
-    require(args.learning_rate > 0 and args.clip_coef > 0, "--learning-rate and --clip-coef must be > 0")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
             f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
@@ -494,16 +511,20 @@ def thread_split(args, device):
 
 
 def catch_interrupt():
-    """The first Ctrl-C only raises a flag that the training loop reads where it can stop cleanly, so a checkpoint
-    never holds half an update; a second Ctrl-C stops at once (keeping the last checkpoint)."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
+    records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
+    128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
+    last checkpoint). `train` restores the default handlers when it returns."""
     requested = []
 
     def handler(signum, frame):
         if requested:
             raise KeyboardInterrupt
-        requested.append(True)
-        print("\nCtrl-C: stopping at the next clean point to save a checkpoint (Ctrl-C again: stop now)", flush=True)
+        requested.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
+              "signal stops at once)", flush=True)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
     return requested
 
 
@@ -540,20 +561,53 @@ class Logger:
 
 
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only."""
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
+def rank_state(normalizer):
+    """This process's own part of a checkpoint: its reward normalizer's statistics and its RNG states, in the plain
+    types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
+    numpy_rng = np.random.get_state(legacy=False)
+    numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
+    rms = normalizer.return_rms
+    return {"reward_rms": [float(rms.mean), float(rms.var), float(rms.count)],
+            "rng": {"python": random.getstate(), "numpy": numpy_rng, "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
+
+
+def restore_rank_state(state, normalizer):
+    mean, var, count = state["reward_rms"]
+    normalizer.return_rms.mean = np.float64(mean)
+    normalizer.return_rms.var = np.float64(var)
+    normalizer.return_rms.count = count
+    random.setstate(state["rng"]["python"])
+    numpy_rng = state["rng"]["numpy"]
+    numpy_rng["state"]["key"] = np.array(numpy_rng["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_rng)
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+
+
 def load_checkpoint(path, args):
-    """The checkpoint's args win, except the RUNTIME_FLAGS given on this command line."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    """Tensors and plain data only (weights_only=True: loading a file never runs code from it); every failure is one
+    line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS given on this command line."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
+        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), "a Python object")
+        raise SystemExit(f"error: {path}: refused to load ({found}); a checkpoint holds only tensors and plain "
+                         "data (those of this script's first version, which pickled numpy RNG states, are refused too)")
+    except Exception as error:  # truncated, not a zip archive, not a torch file at all
+        raise SystemExit(f"error: {path} is damaged or not a checkpoint ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0].split('. ')[0][:100]})")
+    missing = {"agent", "args", "iteration", "ranks"} - set(checkpoint if isinstance(checkpoint, dict) else ())
+    require(not missing, f"{path} is not a checkpoint of {os.path.basename(__file__)} (missing {sorted(missing)})")
     saved = {**checkpoint["args"], **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS}}
     unknown = set(saved) - set(Args.__dataclass_fields__)
-    if unknown:
-        raise SystemExit(f"error: {path} was written by another script (it has flags {sorted(unknown)})")
+    require(not unknown, f"{path} was written by another script (it has flags {sorted(unknown)})")
     return checkpoint, Args(**{**saved, "channels": tuple(saved["channels"]),
                                "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
 
@@ -655,20 +709,14 @@ def train(args):
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
         aux_optimizer.load_state_dict(checkpoint["aux_optimizer"])
-        normalizer.return_rms.mean, normalizer.return_rms.var, normalizer.return_rms.count = checkpoint["reward_rms"]
-        random.setstate(checkpoint["rng"]["python"])
-        np.random.set_state(checkpoint["rng"]["numpy"])
-        torch.set_rng_state(checkpoint["rng"]["torch"])
-        if checkpoint["rng"]["cuda"] is not None and torch.cuda.device_count() == len(checkpoint["rng"]["cuda"]):
-            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        restore_rank_state(checkpoint["ranks"][0], normalizer)
         print(f"resuming {run_name} at iteration {start_iteration}")
 
     def checkpoint_state(iteration):
-        rms = normalizer.return_rms
-        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(),
+        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
                     aux_optimizer=aux_optimizer.state_dict(),
-                    iteration=iteration, global_step=iteration * batch_size, reward_rms=(rms.mean, rms.var, rms.count),
-                    args=asdict(args), run_name=run_name)
+                    global_step=iteration * batch_size, ranks=[rank_state(normalizer)], args=asdict(args),
+                    run_name=run_name)
 
     # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so no level is replayed.
     next_obs = to_device(envs.reset(seed=args.seed + start_iteration - 1)[0])
@@ -755,8 +803,9 @@ def train(args):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
             if interrupted and num_stored == 0:  # Ctrl-C: stop here, at a phase boundary, with nothing half done
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted: saved iteration {iteration} to {run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(130)
+                print(f"interrupted by {signal.Signals(interrupted[0]).name}: saved iteration {iteration} to "
+                      f"{run_dir}/checkpoint.pt; continue with --resume")
+                raise SystemExit(128 + interrupted[0])
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
@@ -764,6 +813,7 @@ def train(args):
                          f"{path} (resume it with a lower --learning-rate, say)")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         envs.close()
         logger.close()
     return run_dir

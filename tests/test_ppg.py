@@ -215,7 +215,7 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     assert result.stdout.count("aux phase: policy phase") == 2
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
-    checkpoint = torch.load(path, weights_only=False)
+    checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["iteration"] == 4 and "aux_optimizer" in checkpoint
     assert (checkpoint["args"]["arch"] == arch) and (("value_trunk.net.0.weight" in checkpoint["agent"]) == (arch == "dual"))
     # Pretend the run was cut after its first phase: resume from a copy whose counters say so. The rows logged after
@@ -252,6 +252,6 @@ def test_ctrl_c_stops_at_the_next_phase_boundary(cue_env, in_tmp, monkeypatch):
     with pytest.raises(SystemExit, match="130"):
         ppg.train(args)
     (path,) = glob.glob("runs/*/checkpoint.pt")
-    assert torch.load(path, weights_only=False)["iteration"] == 6
+    assert torch.load(path, weights_only=True)["iteration"] == 6
     rows = read_rows(os.path.dirname(path))
     assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6]
