@@ -62,7 +62,7 @@ class Args:
     anneal_lr: bool = False
     """decay the learning rate linearly to 0 over the run"""
     gamma: float = 0.999
-    """discount factor; also the discount of the reward normalizer's running return"""
+    """discount factor"""
     gae_lambda: float = 0.95
     """lambda of generalized advantage estimation"""
     num_minibatches: int = 8
@@ -74,7 +74,8 @@ class Args:
     e_v: int = 1
     """E_V: epochs of the value loss over each rollout"""
     e_aux: int = 6
-    """E_aux: epochs of the auxiliary phase over the N_pi stored rollouts (0: no auxiliary training)"""
+    """E_aux: epochs of the auxiliary phase over its buffer, the phase's N_pi x num_envs rollouts (0: no phase, no
+    buffer)"""
     beta_clone: float = 1.0
     """beta_clone: weight of KL(pi_old || pi) that keeps the policy in place during the auxiliary phase"""
     num_aux_rollouts: int = 4
@@ -87,20 +88,30 @@ class Args:
     """where the auxiliary buffer lives: GPU when it fits ('auto'), else pinned host memory"""
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
+    policy_loss: Literal["clip", "kl-penalty"] = "clip"
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its section 4: r A - beta KL(pi_old || pi))"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
-    clip_vloss: bool = True
-    """clip the value loss around the rollout's values (baselines PPO)"""
+    clip_vloss: bool = False
+    """clip the value loss around the rollout's values (baselines PPO); PPG's L_value is unclipped, as in its code"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
-    max_grad_norm: float = 0.5
-    """global gradient-norm clip"""
+    max_grad_norm: float = float("inf")
+    """gradient-norm clip of each network on its own (policy, value); the PPG code does not clip (inf); CleanRL's
+    PPG clips both networks together at 0.5, which lets the value gradient shrink the policy's step"""
     target_kl: Optional[float] = None
-    """stop the update after an epoch whose mean approximate KL (so far) exceeds this (None: never)"""
-    adam_eps: float = 1e-5
-    """Adam epsilon (baselines PPO uses 1e-5)"""
+    """clip: stop the update after an epoch whose mean approximate KL (so far) exceeds this (None: never);
+    kl-penalty: d_targ, the KL that beta is adapted towards (the PPO paper's best: 0.01)"""
+    kl_beta: Optional[float] = None
+    """kl-penalty's beta: None starts at 1 and, after each update, halves it when KL < d_targ / 1.5 and doubles it
+    when KL > 1.5 d_targ (PPO paper, section 4); a number keeps beta fixed"""
+    adam_eps: float = 1e-8
+    """Adam epsilon (the PPG code and CleanRL's PPG: PyTorch's default 1e-8; baselines PPO uses 1e-5)"""
+    reward_norm_gamma: float = 0.99
+    """discount of the running return whose std divides the rewards (the PPG code's reward_normalizer.py: 0.99;
+    CleanRL uses the agent's gamma, 0.999)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -215,11 +226,11 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by the std of a
-    running discounted return (gamma = args.gamma, as in CleanRL) and clipped, as in the Procgen baselines."""
+    running discounted return (discount --reward-norm-gamma) and clipped, as in the Procgen baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
-    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.gamma), -args.reward_clip,
-                      args.reward_clip)
+    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
+                      -args.reward_clip, args.reward_clip)
 
 
 def normed_(layer, scale):
@@ -232,13 +243,13 @@ def normed_(layer, scale):
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, channels, init):
+    def __init__(self, channels, init, scale):
         super().__init__()
-        # sqrt(1/sqrt(3)/sqrt(2)): the PPG code's scale for residual convs, so the residual sum keeps its variance
-        scale = (1 / 3**0.5 / 2**0.5) ** 0.5
-        self.conv0, self.conv1 = (nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
         if init == "normed":
-            normed_(self.conv0, scale), normed_(self.conv1, scale)
+            normed_(self.conv0, scale)
+            normed_(self.conv1, scale)
 
     def forward(self, x):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
@@ -250,14 +261,21 @@ class ImpalaCNN(nn.Module):
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
-        layers, in_channels, size, self.channels_last = [], 3, 64, channels_last
+        self.channels_last = channels_last
+        # The PPG code's normed scale for residual convs: each of the len(channels) stacks adds 1/len(channels) of the
+        # variance, split over its 2 blocks; a block's two convs share that: sqrt(1/sqrt(stacks)/sqrt(2)) per conv.
+        residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
+        layers = []
+        in_channels = 3
+        size = 64
         for out_channels in channels:
             conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
             if init == "normed":
                 normed_(conv, 1.0)
-            layers += [conv, nn.MaxPool2d(3, stride=2, padding=1),
-                       ResidualBlock(out_channels, init), ResidualBlock(out_channels, init)]
-            in_channels, size = out_channels, (size + 1) // 2
+            layers += [conv, nn.MaxPool2d(3, stride=2, padding=1), ResidualBlock(out_channels, init, residual_scale),
+                       ResidualBlock(out_channels, init, residual_scale)]
+            in_channels = out_channels
+            size = (size + 1) // 2
         dense = nn.Linear(in_channels * size * size, hidden_size)
         if init == "normed":
             normed_(dense, 1.4)
@@ -280,9 +298,9 @@ def make_head(in_features, out_features, std, init):
 
 
 class Agent(nn.Module):
-    """PPG's networks. 'dual': a policy network (trunk, policy and auxiliary value heads) and a value network, so value
-    training cannot reshape the policy's features (but one gradient-norm clip spans both: --max-grad-norm inf as the PPG
-    code). 'detach': one trunk; the value head reads detached features (the PPG code's single-network variant)."""
+    """PPG's networks. 'dual': a policy network theta_pi (trunk, policy and auxiliary value heads) and a value network
+    theta_V, so value training cannot reshape the policy's features. 'detach': one trunk; the value head reads
+    detached features (the PPG code's single-network variant)."""
 
     def __init__(self, args, num_actions):
         super().__init__()
@@ -301,6 +319,13 @@ class Agent(nn.Module):
     def forward(self, obs):
         logits, value, _ = self.forward_aux(obs)
         return logits, value
+
+    def networks(self):
+        """Two parameter groups, theta_pi and theta_V, for the optimizers: gradient clipping treats them apart."""
+        value_params = [*self.critic.parameters(), *(self.value_trunk.parameters() if self.value_trunk else [])]
+        value_ids = {id(param) for param in value_params}
+        return [{"params": [param for param in self.parameters() if id(param) not in value_ids]},
+                {"params": value_params}]
 
 
 def sample_action(logits, generator=None):
@@ -336,31 +361,61 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
     return advantages
 
 
-def ppo_loss(new_log_prob, old_log_prob, advantages, new_value, old_value, returns, clip_coef, clip_vloss):
-    """PPO's clipped surrogate (Eq. 7) and value loss on one minibatch; returns (pg_loss, v_loss, ratio, log_ratio).
-    L_clip = E[min(r A, clip(r, 1 - eps, 1 + eps) A)] with r = pi(a|s) / pi_old(a|s), maximized: we minimize -L_clip.
-    """
-    log_ratio = new_log_prob - old_log_prob
-    ratio = log_ratio.exp()
-    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
-    v_loss = (new_value - returns) ** 2
-    if clip_vloss:  # baselines PPO: the value may not move more than clip_coef away from its rollout value
-        v_clipped = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
-        v_loss = torch.max(v_loss, (v_clipped - returns) ** 2)
-    return pg_loss, 0.5 * v_loss.mean(), ratio, log_ratio
+def categorical_kl(old_logits, logits):
+    """KL(pi_old(.|s) || pi(.|s)) per state, exactly, summed over the actions."""
+    old_log_probs = F.log_softmax(old_logits, dim=-1)
+    return (old_log_probs.exp() * (old_log_probs - F.log_softmax(logits, dim=-1))).sum(-1)
 
 
-def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast):
-    """Clipped PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and the value
-    loss for `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V). Returns mean statistics."""
+def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
+    """PPO's surrogate objective on one minibatch, negated to be minimized; ratio r = pi(a|s) / pi_old(a|s) and kl the
+    per-state KL(pi_old || pi). Both keep the new policy near pi_old, the policy that collected the data:
+      'clip'       (PPO Eq. 7): L = E[min(r A, clip(r, 1 - eps, 1 + eps) A)]
+      'kl-penalty' (PPO Eq. 8): L = E[r A - beta KL(pi_old(.|s) || pi(.|s))]"""
+    if kind == "kl-penalty":
+        return (-advantages * ratio + kl_beta * kl).mean()
+    return torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+
+
+def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
+    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value may not move more
+    than clip_coef from its rollout value: the larger of the clipped and the unclipped squared error counts."""
+    squared_error = (new_value - returns) ** 2
+    if clip_vloss:
+        clipped_value = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
+        squared_error = torch.max(squared_error, (clipped_value - returns) ** 2)
+    return 0.5 * squared_error.mean()
+
+
+def adapt_kl_beta(kl_beta, kl, target_kl):
+    """PPO paper, section 4, after each update: d < d_targ / 1.5 -> beta / 2; d > 1.5 d_targ -> 2 beta."""
+    if kl < target_kl / 1.5:
+        return kl_beta / 2
+    if kl > target_kl * 1.5:
+        return kl_beta * 2
+    return kl_beta
+
+
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one group; PPG: one per
+    network, so that the value network's gradient cannot shrink the policy's step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
+def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
+    """PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and the value loss for
+    `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V). Returns mean statistics; "kl" is the
+    exact KL(pi_old || pi) averaged over the last epoch's minibatches (measured before each step)."""
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
     if args.adv_norm == "batch":
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    stats, num_minibatches = {}, 0
+    stats = {}
+    num_minibatches = 0
     for epoch in range(max(epochs_pi, epochs_v)):
         permutation = torch.randperm(batch_size, device=batch["obs"].device)
+        epoch_kl = 0.0
         for start in range(0, batch_size, minibatch_size):
             idx = permutation[start : start + minibatch_size]
             with autocast():
@@ -369,17 +424,20 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast):
             mb_advantages = advantages[idx]
             if args.adv_norm == "minibatch":
                 mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-            pg_loss, v_loss, ratio, log_ratio = ppo_loss(
-                new_log_prob, batch["log_probs"][idx], mb_advantages, new_value.float(), batch["values"][idx],
-                batch["returns"][idx], args.clip_coef, args.clip_vloss)
-            # PPO Eq. 9: L = -L_clip + c1 L_VF - c2 S. A term outside its epochs is left out of the graph, so its
+            log_ratio = new_log_prob - batch["log_probs"][idx]
+            ratio = log_ratio.exp()
+            kl = categorical_kl(batch["logits"][idx], logits.float())
+            pg_loss = policy_loss(ratio, mb_advantages, kl, args.policy_loss, args.clip_coef, kl_beta)
+            v_loss = value_loss(new_value.float(), batch["values"][idx], batch["returns"][idx], args.clip_coef,
+                                args.clip_vloss)
+            # PPO Eq. 9: L = -L_policy + c1 L_VF - c2 S. A term outside its epochs is left out of the graph, so its
             # parameters get no gradient (a zero gradient would still move them through Adam's momentum).
             loss = (pg_loss - args.ent_coef * entropy.mean() if epoch < epochs_pi else 0) + \
                 (args.vf_coef * v_loss if epoch < epochs_v else 0)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            if not torch.isfinite(grad_norm):  # one host sync per minibatch: stop before a NaN reaches the weights
+            grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
+            if not torch.isfinite(grad_norms).all():  # one host sync per minibatch: stop before a NaN reaches weights
                 raise FloatingPointError(f"non-finite loss {loss.item()} or gradient in epoch {epoch}")
             optimizer.step()
             with torch.no_grad():
@@ -388,34 +446,40 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast):
                                    ("approx_kl", ((ratio - 1) - log_ratio).mean()),
                                    ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
                     stats[key] = stats.get(key, 0.0) + value
+                epoch_kl = epoch_kl + kl.mean()
             num_minibatches += 1
-        if args.target_kl is not None and stats["approx_kl"] / num_minibatches > args.target_kl:
+        stop_early = args.policy_loss == "clip" and args.target_kl is not None
+        if stop_early and stats["approx_kl"] / num_minibatches > args.target_kl:
             break
-    return {key: value / num_minibatches for key, value in zip(stats, torch.stack(list(stats.values())).tolist())}
+    stats = {key: value / num_minibatches for key, value in stats.items()}
+    stats["kl"] = epoch_kl / args.num_minibatches
+    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
 
 
-def ppg_aux_loss(logits, old_logits, value, aux_value, returns, beta_clone):
-    """PPG's auxiliary-phase objective on one minibatch; the two sums train disjoint parameters.
-    PPG Eq. 3: L_joint = L_aux + beta_clone * KL(pi_old || pi), L_aux = 0.5 * E[(V_aux(s) - V_targ)^2] (policy net);
-    PPG Eq. 2: L_value = 0.5 * E[(V(s) - V_targ)^2] (value function, trained on in both phases)."""
-    old_log_probs, log_probs = F.log_softmax(old_logits, dim=-1), F.log_softmax(logits, dim=-1)
-    kl = (old_log_probs.exp() * (old_log_probs - log_probs)).sum(-1).mean()
-    aux_value_loss = 0.5 * ((aux_value - returns) ** 2).mean()
-    value_loss = 0.5 * ((value - returns) ** 2).mean()
-    return aux_value_loss + beta_clone * kl + value_loss, (aux_value_loss, kl, value_loss)
+def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone):
+    """PPG's auxiliary-phase objective on one minibatch; the two sums train disjoint parameters (theta_pi, theta_V).
+    PPG Eq. 3: L_joint = L_aux + beta_clone * E[KL(pi_old(.|s) || pi(.|s))], L_aux = 0.5 E[(V_aux(s) - V_targ)^2];
+    PPG Eq. 2: L_value = 0.5 E[(V(s) - V_targ)^2]."""
+    kl = categorical_kl(old_logits, logits).mean()
+    aux_value_loss = 0.5 * ((aux_value - value_targets) ** 2).mean()
+    true_value_loss = 0.5 * ((value - value_targets) ** 2).mean()
+    return aux_value_loss + beta_clone * kl + true_value_loss, (aux_value_loss, kl, true_value_loss)
 
 
-def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_returns, args, device, autocast):
-    """PPG Algorithm 1, auxiliary phase, on whole stored rollouts (aux_obs [R, T, 64, 64, 3], aux_returns [R, T]),
-    with forward_aux = agent.forward_aux, maybe compiled. Returns the phase's mean losses."""
-    num_rollouts, to_device = aux_obs.shape[0], lambda x: x.to(device, non_blocking=True)
-    # pi_old: the policy as the policy phase left it, computed once before any auxiliary step (the KL anchor).
+def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast):
+    """PPG Algorithm 1, auxiliary phase, on the buffer B of whole rollouts: aux_obs [R, T, 64, 64, 3] and
+    aux_value_targets [R, T], V_targ as computed when each rollout was collected (not recomputed). forward_aux is
+    agent.forward_aux, maybe compiled. Returns the phase's mean losses."""
+    num_rollouts = aux_obs.shape[0]
+    to_device = lambda x: x.to(device, non_blocking=True)
+    # "Compute and store current policy pi_old(.|s_t) for all states s_t in B": once, before any auxiliary step.
     with torch.no_grad(), autocast():
         old_logits = torch.cat([forward_aux(to_device(aux_obs[i : i + args.num_aux_rollouts]).flatten(0, 1))[0]
                                 .float() for i in range(0, num_rollouts, args.num_aux_rollouts)])
     old_logits = old_logits.view(num_rollouts, -1, old_logits.shape[-1])
-    totals, num_minibatches = torch.zeros(3, device=device), 0
-    for epoch in range(args.e_aux):
+    totals = torch.zeros(3, device=device)
+    num_minibatches = 0
+    for epoch in range(args.e_aux):  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V, on all data in B"
         permutation = torch.randperm(num_rollouts, device=aux_obs.device)
         for start in range(0, num_rollouts, args.num_aux_rollouts):
             optimizer.zero_grad(set_to_none=True)
@@ -424,11 +488,12 @@ def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_returns, args, d
                 with autocast():
                     logits, value, aux_value = forward_aux(to_device(aux_obs[idx]).flatten(0, 1))
                 loss, parts = ppg_aux_loss(logits.float(), to_device(old_logits[idx]).flatten(0, 1), value.float(),
-                                           aux_value.float(), to_device(aux_returns[idx]).flatten(), args.beta_clone)
+                                           aux_value.float(), to_device(aux_value_targets[idx]).flatten(),
+                                           args.beta_clone)
                 (loss * len(idx) / len(minibatch)).backward()
                 totals += torch.stack(parts).detach() * len(idx) / len(minibatch)
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # CleanRL clips here too
-            if not torch.isfinite(grad_norm):
+            grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
+            if not torch.isfinite(grad_norms).all():
                 raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
             optimizer.step()
             num_minibatches += 1
@@ -478,10 +543,10 @@ def check_args(args):
     check_ranges(args, positive=("total_timesteps", "num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v",
                                  "num_aux_rollouts", "n_aux_grad_accum", "eval_episodes", "hidden_size", "save_every",
                                  "learning_rate", "gamma", "clip_coef", "max_grad_norm", "target_kl", "adam_eps",
-                                 "reward_clip"),
+                                 "reward_norm_gamma", "reward_clip"),
                  non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
-                               "e_aux", "beta_clone", "ent_coef", "vf_coef"),
-                 fractions=("gamma", "gae_lambda"))
+                               "e_aux", "beta_clone", "ent_coef", "vf_coef", "kl_beta"),
+                 fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
     batch_size = args.num_envs * args.num_steps
     require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
             f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * "
@@ -489,6 +554,8 @@ def check_args(args):
     require(args.total_timesteps >= batch_size, f"--total-timesteps {args.total_timesteps} is less than one "
             f"iteration (num_envs * num_steps = {batch_size})")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
+    require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
+            "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
     require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
             f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
     require(args.num_aux_rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} "
@@ -655,10 +722,10 @@ def train(args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    aux_device = None if args.eval_only else aux_buffer_device(args, device)  # may refuse: before any allocation
+    aux_device = aux_buffer_device(args, device) if args.e_aux and not args.eval_only else None  # may refuse, early
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
-    autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.amp and device.type == "cuda")
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
     start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
     run_name = checkpoint["run_name"] if args.resume else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
@@ -669,8 +736,8 @@ def train(args):
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)  # as the PPG code
+    optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
+    aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)  # as the PPG code
     if args.resume or args.eval_only:
         agent.load_state_dict(checkpoint["agent"])
     policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
@@ -698,25 +765,32 @@ def train(args):
     actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
     log_probs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device)
                                          for _ in range(4))
+    rollout_logits = torch.zeros((args.num_steps, args.num_envs, 15), device=device)  # pi_old, for the exact KL
     staging = torch.zeros((args.num_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
     to_device = lambda frames: (staging.copy_(torch.from_numpy(frames)).to(device, non_blocking=True)
                                 if device.type == "cuda" else torch.from_numpy(frames))  # pinned, asynchronous
-    # PPG: the phase's rollouts, whole and rollout-major, for the auxiliary phase (frames and value targets).
-    aux_obs = torch.empty((args.n_pi * args.num_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
-                          device=aux_device, pin_memory=aux_device.type == "cpu" and device.type == "cuda")
-    aux_returns = torch.empty((args.n_pi * args.num_envs, args.num_steps), device=aux_device)
-    num_stored, phase_start = 0, time.time()
+    if args.e_aux:  # PPG's buffer B: the phase's rollouts, whole and rollout-major (frames and V_targ)
+        aux_obs = torch.empty((args.n_pi * args.num_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
+                              device=aux_device, pin_memory=aux_device.type == "cpu" and device.type == "cuda")
+        aux_value_targets = torch.empty((args.n_pi * args.num_envs, args.num_steps), device=aux_device)
+    if num_iterations % args.n_pi and args.e_aux:  # the auxiliary phase costs no environment steps: whole phases
+        print(f"note: the last {num_iterations % args.n_pi} iterations are not followed by an auxiliary phase")
+    num_stored = 0
+    phase_start = time.time()
+    last_phase_time = None
+    kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's beta (adapted unless --kl-beta)
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
         aux_optimizer.load_state_dict(checkpoint["aux_optimizer"])
         restore_rank_state(checkpoint["ranks"][0], normalizer)
+        kl_beta = checkpoint["kl_beta"]
         print(f"resuming {run_name} at iteration {start_iteration}")
 
     def checkpoint_state(iteration):
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
                     aux_optimizer=aux_optimizer.state_dict(),
-                    global_step=iteration * batch_size, ranks=[rank_state(normalizer)], args=asdict(args),
-                    run_name=run_name)
+                    global_step=iteration * batch_size, ranks=[rank_state(normalizer)], kl_beta=kl_beta,
+                    args=asdict(args), run_name=run_name)
 
     # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so no level is replayed.
     next_obs = to_device(envs.reset(seed=args.seed + start_iteration - 1)[0])
@@ -727,8 +801,8 @@ def train(args):
     try:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
-                aux_optimizer.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]  # global step, across phases
+                for group in (*optimizer.param_groups, *aux_optimizer.param_groups):  # global step, across phases
+                    group["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
 
             # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
             rollout_start, env_time, episode_returns, episode_lengths = time.time(), 0.0, [], []
@@ -738,7 +812,9 @@ def train(args):
                 with torch.no_grad(), autocast():
                     logits, value = policy(next_obs)
                 action = sample_action(logits.float())
-                values[step], actions[step] = value.float(), action
+                values[step] = value.float()
+                actions[step] = action
+                rollout_logits[step] = logits.float()
                 log_probs[step] = log_prob_entropy(logits, action)[0]
                 action_cpu = action.cpu().numpy()  # the step's one host sync: the games need the actions
                 env_start = time.time()
@@ -758,8 +834,12 @@ def train(args):
             advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
             returns = advantages + values
             batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
-                         advantages=advantages.flatten(), returns=returns.flatten(), values=values.flatten())
-            stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast)
+                         logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
+                         returns=returns.flatten(), values=values.flatten())
+            stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta)
+            stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
+            if args.policy_loss == "kl-penalty" and args.kl_beta is None:
+                kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
             stats["explained_variance"] = (1 - (returns - values).var() / returns.var()).item()
             update_time = time.time() - update_start
 
@@ -777,26 +857,36 @@ def train(args):
                         "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                         else None})
             completed = iteration
-            eta = (num_iterations - iteration) * batch_size / sps / 60
+            # PPG's ETA counts the auxiliary phases to come: from the last whole phase, or before the first from this
+            # iteration, with an auxiliary phase worth E_aux + 1/3 updates per iteration (its epochs and pi_old's pass).
+            aux_share = (args.e_aux + 1 / 3) / max(args.e_pi, args.e_v) if args.e_aux else 0
+            seconds_per_iteration = last_phase_time / args.n_pi if last_phase_time else \
+                rollout_time + update_time * (1 + aux_share)
+            eta = (num_iterations - iteration) * seconds_per_iteration / 60
             print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (rollout "
                   f"{rollout_time:.1f}s: env {env_time:.1f}s; update {update_time:.1f}s) | ETA {eta:.1f} min | return "
                   + (f"{average(episode_returns):.2f} ({len(episode_returns)} eps)" if episode_returns else "-")
                   + f" | pg {stats['policy_loss']:.3f} v {stats['value_loss']:.3f} ent {stats['entropy']:.3f}"
                   f" kl {stats['approx_kl']:.4f}", flush=True)
 
-            # PPG: store the rollout; after N_pi iterations (or the last one), run the auxiliary phase.
-            stored = slice(num_stored * args.num_envs, (num_stored + 1) * args.num_envs)
-            aux_obs[stored], aux_returns[stored] = obs.transpose(0, 1), returns.transpose(0, 1)
-            num_stored += 1
-            if iteration % args.n_pi == 0 or iteration == num_iterations:
+            # PPG: "Add all (s_t, V_targ_t) to B"; after N_pi iterations, the auxiliary phase on B.
+            if args.e_aux:
+                stored = slice(num_stored * args.num_envs, (num_stored + 1) * args.num_envs)
+                aux_obs[stored] = obs.transpose(0, 1)
+                aux_value_targets[stored] = returns.transpose(0, 1)
+                num_stored += 1
+            if num_stored == args.n_pi:
                 aux_start = time.time()
-                aux_stats = auxiliary_phase(agent, forward_aux, aux_optimizer, aux_obs[: stored.stop],
-                                            aux_returns[: stored.stop], args, device, autocast)
-                num_stored, policy_phase_time, phase_start = 0, aux_start - phase_start, time.time()
+                aux_stats = auxiliary_phase(agent, forward_aux, aux_optimizer, aux_obs, aux_value_targets, args,
+                                            device, autocast)
+                num_stored = 0
+                aux_time = time.time() - aux_start
+                last_phase_time = time.time() - phase_start
                 logger.log({"global_step": global_step, "iteration": iteration, **aux_stats,
-                            "time/policy_phase": policy_phase_time, "time/aux_phase": phase_start - aux_start})
-                print(f"aux phase: policy phase {policy_phase_time:.1f}s, aux phase {phase_start - aux_start:.1f}s | "
+                            "time/policy_phase": last_phase_time - aux_time, "time/aux_phase": aux_time})
+                print(f"aux phase: policy phase {last_phase_time - aux_time:.1f}s, aux phase {aux_time:.1f}s | "
                       + " ".join(f"{key[4:]} {value:.4f}" for key, value in aux_stats.items()), flush=True)
+                phase_start = time.time()
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):

@@ -111,8 +111,8 @@ def tiny_batch(agent, size=32):
     with torch.no_grad():
         logits, values = agent(obs)
     actions = ppg.sample_action(logits)
-    return dict(obs=obs, actions=actions, log_probs=ppg.log_prob_entropy(logits, actions)[0], values=values,
-                advantages=torch.randn(size), returns=values + torch.randn(size))
+    return dict(obs=obs, actions=actions, log_probs=ppg.log_prob_entropy(logits, actions)[0], logits=logits,
+                values=values, advantages=torch.randn(size), returns=values + torch.randn(size))
 
 
 def test_value_only_epochs_leave_the_policy_network_alone():
@@ -141,7 +141,8 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     cue_env(ppo)
     monkeypatch.setattr(ppo, "Agent", ppg.Agent)
     common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
-                  channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed")
+                  channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed",
+                  max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99)
     ppo_args = ppo.Args(**common, update_epochs=1)
     ppo_args.arch = "detach"  # what PPG's Agent reads
     ppg_rows = read_rows(ppg.train(ppg.Args(**common, e_pi=1, e_v=1, e_aux=0, n_pi=2, save_every=2, arch="detach")))
@@ -190,17 +191,75 @@ def test_ppg_learns_the_cue_task(cue_env, in_tmp):
 
 
 def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
-    """7 iterations with N_pi = 3: phases of 3, 3 and a last partial phase of 1, so every step is trained; the
-    learning rate falls linearly over the whole run instead of restarting each phase (CleanRL's PPG bug)."""
+    """7 iterations with N_pi = 3: two whole phases, and the 7th iteration is trained by the policy phase only (an
+    auxiliary phase costs no environment steps; the paper's phases are whole); the learning rate falls linearly over
+    the whole run instead of restarting each phase (CleanRL's PPG bug)."""
     cue_env(ppg)
     args = ppg.Args(env_id="coinrun", total_timesteps=7 * 32 + 5, num_envs=4, num_steps=8, num_minibatches=2,
                     channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3,
                     num_aux_rollouts=4, anneal_lr=True)
     rows = read_rows(ppg.train(args))
-    assert "note: training 224 steps (7 whole iterations)" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "note: training 224 steps (7 whole iterations)" in output
+    assert "note: the last 1 iterations are not followed by an auxiliary phase" in output
     lrs = [r["charts/learning_rate"] for r in rows if "charts/learning_rate" in r]
     np.testing.assert_allclose(lrs, [5e-4 * (1 - i / 7) for i in range(7)])
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 7]
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6]
+
+
+def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, monkeypatch):
+    cue_env(ppg)
+    for name in ("aux_buffer_device", "auxiliary_phase"):
+        monkeypatch.setattr(ppg, name, lambda *arguments: pytest.fail(f"{name} called with --e-aux 0"))
+    rows = read_rows(ppg.train(ppg.Args(env_id="coinrun", total_timesteps=4 * 32, num_envs=4, num_steps=8,
+                                        num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0,
+                                        eval_episodes=2, n_pi=2, e_aux=0, save_every=2)))
+    assert len([r for r in rows if "losses/policy_loss" in r]) == 4 and not any("aux/kl" in r for r in rows)
+
+
+def test_each_network_is_clipped_on_its_own():
+    """A huge value-loss gradient must not shrink the policy network's step: with 'dual', the policy's gradient after
+    clipping is what clipping the policy loss alone gives."""
+    torch.manual_seed(0)
+    args = tiny_args(arch="dual", channels=(4,), hidden_size=16)
+    agent = ppg.Agent(args, num_actions=15)
+    optimizer = torch.optim.Adam(agent.networks())
+    obs = torch.randint(0, 256, (8, 64, 64, 3), dtype=torch.uint8)
+    policy_params = optimizer.param_groups[0]["params"]
+    assert {id(p) for p in policy_params}.isdisjoint(id(p) for p in [*agent.value_trunk.parameters(),
+                                                                         *agent.critic.parameters()])
+
+    def clipped_policy_grads(value_weight):
+        optimizer.zero_grad()
+        logits, value, aux_value = agent.forward_aux(obs)
+        (logits.logsumexp(-1).mean() + aux_value.mean() + value_weight * value.pow(2).mean()).backward()
+        norms = ppg.clip_grad_norms(optimizer, 0.5)
+        return norms, [p.grad.clone() for p in policy_params]
+
+    norms_alone, alone = clipped_policy_grads(0.0)
+    norms_with_value, with_value = clipped_policy_grads(1e6)
+    assert norms_with_value[1] > 1e3 * norms_with_value[0]  # the value network's gradient is huge ...
+    assert all(torch.allclose(a, b) for a, b in zip(alone, with_value))  # ... and the policy's step is unchanged
+
+
+@pytest.mark.parametrize("channels", [(16,), (16, 32, 32), (8, 8, 8, 8, 8)])
+def test_normed_init_scales_follow_the_ppg_code(channels):
+    """Each output unit's weight norm: 1.0 for a stack's first conv, sqrt(1/sqrt(stacks)/sqrt(2)) for residual convs
+    (0.6389 for the 3 stacks of the default), 1.4 for the dense layer, 0.1 for the heads; biases 0."""
+    agent = ppg.Agent(tiny_args(channels=channels, hidden_size=16), num_actions=15)
+    unit_norms = lambda layer: layer.weight.flatten(1).norm(dim=1)
+    residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
+    layers = list(agent.trunk.net)
+    for stack in range(len(channels)):
+        conv, _, *blocks = layers[4 * stack : 4 * stack + 4]
+        torch.testing.assert_close(unit_norms(conv), torch.ones(channels[stack]))
+        for block in blocks:
+            for residual_conv in (block.conv0, block.conv1):
+                torch.testing.assert_close(unit_norms(residual_conv), torch.full((channels[stack],), residual_scale))
+                assert residual_conv.bias.abs().max() == 0
+    torch.testing.assert_close(unit_norms(layers[-2]), torch.full((16,), 1.4))
+    torch.testing.assert_close(unit_norms(agent.actor), torch.full((15,), 0.1))
+    assert abs((1 / 3**0.5 / 2**0.5) ** 0.5 - 0.6389) < 1e-4
 
 
 def run_script(*flags):

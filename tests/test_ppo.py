@@ -22,7 +22,7 @@ ITERATION_KEYS = {
     "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
     "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
     "losses/value_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac",
-    "losses/explained_variance", "time/rollout", "time/env", "time/update", "perf/gpu_memory_gb"}
+    "losses/explained_variance", "losses/kl", "losses/kl_beta", "time/rollout", "time/env", "time/update", "perf/gpu_memory_gb"}
 EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
 TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
         "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
@@ -154,35 +154,60 @@ def test_first_minibatch_has_ratio_one_and_no_clipping():
         logits, values = agent(obs)
     actions = ppo.sample_action(logits)
     log_probs = ppo.log_prob_entropy(logits, actions)[0]
-    batch = dict(obs=obs, actions=actions, log_probs=log_probs, values=values,
+    batch = dict(obs=obs, actions=actions, log_probs=log_probs, logits=logits, values=values,
                  advantages=torch.randn(64), returns=values + torch.randn(64))
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
     stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
-    assert stats["approx_kl"] == 0 and stats["old_approx_kl"] == 0 and stats["clipfrac"] == 0
+    assert stats["approx_kl"] == 0 and stats["old_approx_kl"] == 0 and stats["clipfrac"] == 0 and stats["kl"] == 0
     stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
-    assert stats["approx_kl"] > 0  # the weights moved, so the second pass does see a ratio != 1
+    assert stats["approx_kl"] > 0 and stats["kl"] > 0  # the weights moved: the second pass sees a ratio != 1
 
 
 def test_clipped_surrogate_on_a_hand_made_example():
     ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1])
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
     new_log_prob = ratio.log().requires_grad_()
-    zeros = torch.zeros(5)
-    pg_loss, _, got_ratio, _ = ppo.ppo_loss(new_log_prob, zeros, advantages, zeros, zeros, zeros, 0.2, False)
+    kl = torch.full((5,), 123.0)  # ignored by the clipped surrogate
+    pg_loss = ppo.policy_loss(new_log_prob.exp(), advantages, kl, "clip", 0.2, None)
     # -min(rA, clip(r)A) per sample: -1.2 (clipped), 1.5, -0.5, 0.8 (clipped), -2.2
     assert pg_loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8 - 2.2) / 5)
     pg_loss.backward()
     grad = new_log_prob.grad
     assert grad[0] == 0 and grad[3] == 0  # clipped samples carry no gradient
     np.testing.assert_allclose(grad[[1, 2, 4]].numpy(), [1.5 / 5, -0.5 / 5, -2.2 / 5], rtol=1e-6)
-    np.testing.assert_allclose(got_ratio.detach().numpy(), ratio.numpy(), rtol=1e-6)
+
+
+def test_kl_penalty_surrogate_and_beta_adaptation_on_hand_made_examples():
+    """PPO Eq. 8: -E[r A - beta KL]; every sample keeps its gradient (no clip). Section 4's rule moves beta towards
+    the target: halved when the KL is far below it, doubled when far above, unchanged within a factor 1.5."""
+    ratio = torch.tensor([1.5, 0.5, 1.1], requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0, 2.0])
+    kl = torch.tensor([0.02, 0.04, 0.0], requires_grad=True)
+    loss = ppo.policy_loss(ratio, advantages, kl, "kl-penalty", 0.2, 3.0)
+    assert loss.item() == pytest.approx((-1.5 + 0.5 - 2.2 + 3.0 * (0.02 + 0.04)) / 3)
+    loss.backward()
+    np.testing.assert_allclose(ratio.grad.numpy(), -advantages.numpy() / 3, rtol=1e-6)
+    np.testing.assert_allclose(kl.grad.numpy(), [1.0, 1.0, 1.0], rtol=1e-6)
+    assert ppo.adapt_kl_beta(1.0, kl=0.001, target_kl=0.01) == 0.5  # policy barely moved: weaker leash
+    assert ppo.adapt_kl_beta(1.0, kl=0.1, target_kl=0.01) == 2.0  # moved too far: stronger leash
+    assert ppo.adapt_kl_beta(1.0, kl=0.012, target_kl=0.01) == 1.0
+    assert ppo.adapt_kl_beta(1.0, kl=0.0066, target_kl=0.01) == 0.5  # the 1.5 band's edges
+    assert ppo.adapt_kl_beta(1.0, kl=0.0151, target_kl=0.01) == 2.0
+
+
+def test_categorical_kl_against_its_definition():
+    torch.manual_seed(0)
+    old_logits, logits = torch.randn(6, 15), torch.randn(6, 15) * 2
+    p, q = old_logits.softmax(-1).double(), logits.softmax(-1).double()
+    naive = [sum(p[s, a] * (p[s, a] / q[s, a]).log() for a in range(15)) for s in range(6)]
+    np.testing.assert_allclose(ppo.categorical_kl(old_logits, logits).numpy(), torch.stack(naive).numpy(), rtol=1e-5)
+    assert ppo.categorical_kl(logits, logits).abs().max() == 0
 
 
 def test_clipped_value_loss_on_a_hand_made_example():
-    zeros = torch.zeros(3)
     new_value, old_value, returns = torch.tensor([1.0, 0.1, -1.0]), torch.zeros(3), torch.tensor([2.0, 0.0, 0.0])
-    _, clipped, _, _ = ppo.ppo_loss(zeros, zeros, zeros, new_value, old_value, returns, 0.2, True)
-    _, unclipped, _, _ = ppo.ppo_loss(zeros, zeros, zeros, new_value, old_value, returns, 0.2, False)
+    clipped = ppo.value_loss(new_value, old_value, returns, 0.2, True)
+    unclipped = ppo.value_loss(new_value, old_value, returns, 0.2, False)
     # unclipped 0.5*mean([1, 0.01, 1]); clipped values [0.2, 0.1, -0.2] -> max with [3.24, 0.01, 0.04]
     assert unclipped.item() == pytest.approx(0.5 * (1 + 0.01 + 1) / 3)
     assert clipped.item() == pytest.approx(0.5 * (3.24 + 0.01 + 1) / 3)
@@ -208,10 +233,12 @@ def cue_args(module, **overrides):
     return module.Args(**{**base, **overrides})
 
 
-def test_ppo_learns_the_cue_task(cue_env, in_tmp):
-    """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8."""
+@pytest.mark.parametrize("variant", [{}, {"policy_loss": "kl-penalty", "target_kl": 0.01}])
+def test_ppo_learns_the_cue_task(variant, cue_env, in_tmp):
+    """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8. PPO-clip
+    and PPO-penalty (adaptive beta) both learn it."""
     cue_env(ppo)
-    rows = read_rows(ppo.train(cue_args(ppo)))
+    rows = read_rows(ppo.train(cue_args(ppo, **variant)))
     train_returns = [r["charts/episodic_return"] for r in rows if r.get("charts/episodic_return") is not None]
     assert np.mean(train_returns[:2]) < 1.5
     assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
