@@ -276,7 +276,8 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     path = os.path.join("runs", run, "checkpoint.pt")
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["iteration"] == 4 and "aux_optimizer" in checkpoint
-    assert (checkpoint["args"]["arch"] == arch) and (("value_trunk.net.0.weight" in checkpoint["agent"]) == (arch == "dual"))
+    assert checkpoint["args"]["arch"] == arch
+    assert ("value_trunk.net.0.weight" in checkpoint["agent"]) == (arch == "dual")
     # Pretend the run was cut after its first phase: resume from a copy whose counters say so. The rows logged after
     # that point are dropped and logged again by the resumed run, into the same run directory.
     checkpoint.update(iteration=2, global_step=64)

@@ -22,7 +22,8 @@ ITERATION_KEYS = {
     "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
     "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
     "losses/value_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac",
-    "losses/explained_variance", "losses/kl", "losses/kl_beta", "time/rollout", "time/env", "time/update", "perf/gpu_memory_gb"}
+    "losses/explained_variance", "losses/kl", "losses/kl_beta", "time/rollout", "time/env", "time/update",
+    "perf/gpu_memory_gb"}
 EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
 TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
         "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
@@ -259,7 +260,8 @@ def test_nonfinite_loss_saves_a_checkpoint_and_stops(monkeypatch, in_tmp):
     monkeypatch.setattr(ppo, "compute_gae", lambda rewards, *args: torch.full_like(rewards, float("nan")))
     args = ppo.Args(env_id="bigfish", num_envs=2, num_steps=8, num_minibatches=1, total_timesteps=32, channels=(4,),
                     hidden_size=16)
-    with pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the weights before that step are saved"):
+    message = "non-finite loss .* after iteration 0; the weights before that step are saved"
+    with pytest.raises(SystemExit, match=message):
         ppo.train(args)
     (run,) = os.listdir("runs")
     checkpoint = torch.load(os.path.join("runs", run, "checkpoint_nonfinite.pt"), weights_only=True)
