@@ -596,18 +596,28 @@ def catch_interrupt():
 
 
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl and, with --track, to wandb (step = global_step)."""
+    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard event files in the
+    same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
+    and, with --track, to wandb."""
 
     def __init__(self, args, run_name, run_dir, resume_iteration=None):
         path = os.path.join(run_dir, "metrics.jsonl")
+        purge_step = None
         if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
             with open(path) as f:
-                kept = [line for line in f if json.loads(line)["iteration"] <= resume_iteration]
+                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a crash may leave half a line
+            kept = [row for row in rows if row["iteration"] <= resume_iteration]
             with open(path, "w") as f:
-                f.writelines(kept)
+                f.writelines(json.dumps(row) + "\n" for row in kept)
+            purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
-        self.file, self.wandb = open(path, "a"), None
+        self.file = open(path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+        self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
+        self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
+                                                                             for key, value in asdict(args).items()))
+        self.wandb = None
         if args.track:
             import wandb
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
@@ -616,6 +626,18 @@ class Logger:
     def log(self, row, video=None):
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        for key, value in row.items():
+            if "/" in key and isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, row["global_step"])
+        if video:  # TensorBoard shows a video as an animated GIF; torch's add_video would need moviepy
+            import imageio.v3 as iio
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
+            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
+            image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
+            self.tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]),
+                                                     row["global_step"])
+        self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
             self.wandb.log({**row, **({"eval/video": wandb.Video(video, format="mp4")} if video else {})},
@@ -623,6 +645,7 @@ class Logger:
 
     def close(self):
         self.file.close()
+        self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -303,6 +303,10 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert iterations[-1]["global_step"] == 32 * 60
     assert all(set(r) == ITERATION_KEYS for r in iterations)
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["global_step"] == 32 * 60
+    # TensorBoard agrees with metrics.jsonl: the resumed run's event file hides the first run's later events.
+    scalars = tensorboard_scalars(os.path.join("runs", run))
+    assert [event.step for event in scalars["losses/policy_loss"]] == [32 * i for i in range(1, 61)]
+    assert [event.value for event in scalars["charts/SPS"]] == pytest.approx([r["charts/SPS"] for r in iterations])
     assert torch.load(path, weights_only=True)["iteration"] == 60
 
     result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video")
@@ -312,9 +316,30 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert os.path.getsize(video) > 1000
 
 
-def test_track_offline_logs_to_a_local_wandb_run(in_tmp):
+def tensorboard_scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+
+
+def test_track_offline_logs_to_a_local_wandb_run_and_tensorboard(in_tmp):
     result = run_script(*TINY, "--total-timesteps", "64", "--track", "--wandb-mode", "offline", "--capture-video")
     assert result.returncode == 0, result.stderr
+    (run_dir,) = glob.glob("runs/*")
+    rows = read_rows(run_dir)
+    scalars = tensorboard_scalars(run_dir)  # the same tags and numbers as metrics.jsonl, at step global_step
+    logged = {key for row in rows for key, value in row.items() if "/" in key and value is not None}
+    assert set(scalars) == logged and {"charts/SPS", "losses/policy_loss", "eval/episodic_return"} <= logged
+    for key in logged:
+        expected = [r for r in rows if r.get(key) is not None]
+        assert [e.step for e in scalars[key]] == [r["global_step"] for r in expected]
+        assert [e.value for e in scalars[key]] == pytest.approx([r[key] for r in expected], rel=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(run_dir, size_guidance={"images": 0})
+    events.Reload()
+    (video,) = events.Images("eval/video")  # the evaluation episode, as an animated GIF
+    assert video.step == 64 and video.encoded_image_string[:6] == b"GIF89a"
     (run_file,) = glob.glob("runs/*/wandb/offline-run-*/run-*.wandb")
     assert os.path.getsize(run_file) > 0
     assert glob.glob("runs/*/wandb/offline-run-*/files/media/videos/eval/*.mp4")  # the eval video was uploaded
