@@ -7,6 +7,7 @@ Read first: `diff ppo_procgen.py ppg_procgen.py` (PPG and nothing else), then `a
 """
 import collections
 import contextlib
+import datetime
 import io
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import pickle
 import random
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -21,6 +23,7 @@ from typing import Literal, Optional
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
@@ -78,8 +81,9 @@ class Args:
     buffer)"""
     beta_clone: float = 1.0
     """beta_clone: weight of KL(pi_old || pi) that keeps the policy in place during the auxiliary phase"""
-    num_aux_rollouts: int = 4
-    """whole rollouts (of num_steps frames) per auxiliary minibatch"""
+    num_aux_rollouts: Optional[int] = None
+    """whole rollouts (of num_steps frames) per auxiliary minibatch, over all ranks; None: 4 for every 64 games of a
+    rank (the PPG code's 4 rollouts per worker of 64 games: 4 here at the defaults, 16 for the paper's 4 x 64)"""
     n_aux_grad_accum: int = 1
     """split each auxiliary minibatch into this many chunks, accumulating gradients (for small GPUs)"""
     arch: Literal["dual", "detach"] = "dual"
@@ -409,8 +413,9 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
-    if args.adv_norm == "batch":
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    if args.adv_norm == "batch":  # over the whole batch of all ranks, as the PPG code's mpi_moments
+        mean, std = global_moments(advantages)
+        advantages = (advantages - mean) / (std + 1e-8)
     stats = {}
     num_minibatches = 0
     for epoch in range(max(epochs_pi, epochs_v)):
@@ -422,8 +427,9 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 logits, new_value = agent(batch["obs"][idx])
             new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][idx])
             mb_advantages = advantages[idx]
-            if args.adv_norm == "minibatch":
-                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            if args.adv_norm == "minibatch":  # over the minibatch of all ranks
+                mean, std = global_moments(mb_advantages)
+                mb_advantages = (mb_advantages - mean) / (std + 1e-8)
             log_ratio = new_log_prob - batch["log_probs"][idx]
             ratio = log_ratio.exp()
             kl = categorical_kl(batch["logits"][idx], logits.float())
@@ -436,6 +442,7 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 (args.vf_coef * v_loss if epoch < epochs_v else 0)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            average_gradients(optimizer)
             grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
             if not torch.isfinite(grad_norms).all():  # one host sync per minibatch: stop before a NaN reaches weights
                 raise FloatingPointError(f"non-finite loss {loss.item()} or gradient in epoch {epoch}")
@@ -449,11 +456,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 epoch_kl = epoch_kl + kl.mean()
             num_minibatches += 1
         stop_early = args.policy_loss == "clip" and args.target_kl is not None
-        if stop_early and stats["approx_kl"] / num_minibatches > args.target_kl:
+        if stop_early and all_reduce_mean(stats["approx_kl"] / num_minibatches) > args.target_kl:  # all ranks agree
             break
     stats = {key: value / num_minibatches for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
-    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
+    return dict(zip(stats, all_reduce_mean(torch.stack(list(stats.values()))).tolist()))
 
 
 def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone):
@@ -471,19 +478,20 @@ def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_value_targets, a
     aux_value_targets [R, T], V_targ as computed when each rollout was collected (not recomputed). forward_aux is
     agent.forward_aux, maybe compiled. Returns the phase's mean losses."""
     num_rollouts = aux_obs.shape[0]
+    rollouts_per_minibatch = aux_rollouts_per_rank(args, dist.get_world_size() if dist.is_initialized() else 1)
     to_device = lambda x: x.to(device, non_blocking=True)
     # "Compute and store current policy pi_old(.|s_t) for all states s_t in B": once, before any auxiliary step.
     with torch.no_grad(), autocast():
-        old_logits = torch.cat([forward_aux(to_device(aux_obs[i : i + args.num_aux_rollouts]).flatten(0, 1))[0]
-                                .float() for i in range(0, num_rollouts, args.num_aux_rollouts)])
+        old_logits = torch.cat([forward_aux(to_device(aux_obs[i : i + rollouts_per_minibatch]).flatten(0, 1))[0]
+                                .float() for i in range(0, num_rollouts, rollouts_per_minibatch)])
     old_logits = old_logits.view(num_rollouts, -1, old_logits.shape[-1])
     totals = torch.zeros(3, device=device)
     num_minibatches = 0
     for epoch in range(args.e_aux):  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V, on all data in B"
         permutation = torch.randperm(num_rollouts, device=aux_obs.device)
-        for start in range(0, num_rollouts, args.num_aux_rollouts):
+        for start in range(0, num_rollouts, rollouts_per_minibatch):  # each rank's share of a minibatch
             optimizer.zero_grad(set_to_none=True)
-            minibatch = permutation[start : start + args.num_aux_rollouts]
+            minibatch = permutation[start : start + rollouts_per_minibatch]
             for idx in minibatch.chunk(args.n_aux_grad_accum):  # weighted by size: the last chunk may be short
                 with autocast():
                     logits, value, aux_value = forward_aux(to_device(aux_obs[idx]).flatten(0, 1))
@@ -492,29 +500,40 @@ def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_value_targets, a
                                            args.beta_clone)
                 (loss * len(idx) / len(minibatch)).backward()
                 totals += torch.stack(parts).detach() * len(idx) / len(minibatch)
+            average_gradients(optimizer)
             grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
             if not torch.isfinite(grad_norms).all():
                 raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
             optimizer.step()
             num_minibatches += 1
-    means = (totals / max(num_minibatches, 1)).tolist()
+    means = all_reduce_mean(totals / max(num_minibatches, 1)).tolist()
     return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
 
 
-def aux_buffer_device(args, device):
-    """The auxiliary buffer holds N_pi * num_envs rollouts of num_steps uint8 frames (6.4 GB at the defaults), value
-    targets and pi_old logits. Estimate it before allocating anything; refuse at once if it cannot fit."""
-    needed = args.n_pi * args.num_envs * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
+def aux_rollouts_per_rank(args, world_size):
+    """Each rank's share of an auxiliary minibatch: --num-aux-rollouts / ranks, or by default the PPG code's 4 whole
+    rollouts per worker of 64 games (at least one)."""
+    if args.num_aux_rollouts is not None:
+        return args.num_aux_rollouts // world_size
+    return max(1, args.num_envs // world_size // 16)
+
+
+def aux_buffer_device(args, device, world_size):
+    """Each rank's auxiliary buffer holds N_pi x its num_envs / ranks rollouts of num_steps uint8 frames (6.4 GB at the
+    defaults), value targets and pi_old logits. Estimate it before allocating anything; refuse at once if it cannot
+    fit (host memory is shared by the ranks of one machine)."""
+    needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     where = device if args.aux_buffer == "cuda" or args.aux_buffer == "auto" and needed < 0.5 * free else "cpu"
     if torch.device(where).type == "cpu":  # host memory to be had without swapping (not Linux: cannot tell)
         free = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if "MemAvailable" in line),
                     float("inf")) if os.path.exists("/proc/meminfo") else float("inf")
+        free /= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if needed > 0.8 * free:
-        raise SystemExit(f"error: the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB (--n-pi {args.n_pi} x "
-                         f"--num-envs {args.num_envs} x --num-steps {args.num_steps} frames) but only "
-                         f"{free / 2**30:.1f} GiB of {torch.device(where).type} memory is free; lower --n-pi or "
-                         "--num-envs, or set --aux-buffer")
+        raise SystemExit(f"error: the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per rank (--n-pi {args.n_pi}"
+                         f" x --num-envs {args.num_envs} / {world_size} ranks x --num-steps {args.num_steps} frames) "
+                         f"but only {free / 2**30:.1f} GiB of {torch.device(where).type} memory is free per rank; "
+                         "lower --n-pi or --num-envs, or set --aux-buffer")
     return torch.device(where)
 
 
@@ -547,19 +566,26 @@ def check_args(args):
                  non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
                                "e_aux", "beta_clone", "ent_coef", "vf_coef", "kl_beta"),
                  fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
-    batch_size = args.num_envs * args.num_steps
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
+    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
+            "ranks: each rank steps num_envs / ranks games")
+    batch_size = args.num_envs // world_size * args.num_steps
     require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
-            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * "
-            f"num_steps); try one of {[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
-    require(args.total_timesteps >= batch_size, f"--total-timesteps {args.total_timesteps} is less than one "
-            f"iteration (num_envs * num_steps = {batch_size})")
+            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
+            f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
+            f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
+            f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
             "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
     require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
             f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
-    require(args.num_aux_rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} "
-            f"must divide --num-aux-rollouts {args.num_aux_rollouts}")
+    require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0, f"--num-aux-rollouts "
+            f"{args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
+    require(aux_rollouts_per_rank(args, world_size) % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum "
+            f"{args.n_aux_grad_accum} must divide the {aux_rollouts_per_rank(args, world_size)} rollouts of each "
+            "rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
     require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
     for flag in ("checkpoint", "resume"):
         path = getattr(args, flag)
@@ -572,22 +598,82 @@ def thread_split(args, device):
     2 torch threads run the rollout and the update 1.6-1.9x faster than 1; procgen threads change little).
     On GPU procgen gets the cores and torch one thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
     return env_threads, torch_threads
+
+
+def setup_distributed(args):
+    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global), WORLD_SIZE and
+    LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0 of 1, with no process group.
+    NCCL connects GPUs, gloo CPUs; a collective that a failed rank never joins times out after 10 minutes (torchrun
+    itself stops the other ranks 30 s after one fails)."""
+    rank = int(os.environ.get("RANK", 0))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
+    return rank, int(os.environ.get("WORLD_SIZE", 1)), device
+
+
+def all_reduce_mean(tensor):
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def average_gradients(optimizer):
+    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient of the whole
+    minibatch, all ranks alike. A parameter left out of the loss has no gradient on any rank."""
+    if not dist.is_initialized():
+        return
+    grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    flat = all_reduce_mean(torch.cat([grad.flatten() for grad in grads]))
+    for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(mean.view_as(grad))
+
+
+def global_moments(x):
+    """Mean and standard deviation of x over all ranks' data (each rank holds as many elements)."""
+    if not dist.is_initialized():
+        return x.mean(), x.std()
+    mean, mean_square = all_reduce_mean(torch.stack([x.mean(), (x * x).mean()]))
+    count = x.numel() * dist.get_world_size()
+    return mean, ((mean_square - mean**2) * count / (count - 1)).clamp(min=0).sqrt()
+
+
+def gather(items):
+    """Every rank's list `items`, concatenated in rank order, on every rank."""
+    if not dist.is_initialized():
+        return items
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, items)
+    return [item for rank_items in per_rank for item in rank_items]
 
 
 def catch_interrupt():
     """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
     records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
     128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
-    last checkpoint). `train` restores the default handlers when it returns."""
+    last checkpoint); under torchrun a process gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so
+    a repeat within 2 s counts once. `train` restores the default handlers when it returns."""
     requested = []
+    first_time = []
 
     def handler(signum, frame):
-        if requested:
+        if requested and time.time() - first_time[0] > 2:
             raise KeyboardInterrupt
+        if requested:
+            return
         requested.append(signum)
+        first_time.append(time.time())
         print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
               "signal stops at once)", flush=True)
     signal.signal(signal.SIGINT, handler)
@@ -600,7 +686,11 @@ class Logger:
     same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
     and, with --track, to wandb."""
 
-    def __init__(self, args, run_name, run_dir, resume_iteration=None):
+    def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
+        self.file = None
+        if rank > 0:  # rank 0 writes for all ranks
+            return
+        os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         purge_step = None
         if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
@@ -624,6 +714,8 @@ class Logger:
                                     name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
 
     def log(self, row, video=None):
+        if self.file is None:
+            return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for key, value in row.items():
@@ -644,6 +736,8 @@ class Logger:
                            step=row["global_step"])
 
     def close(self):
+        if self.file is None:
+            return
         self.file.close()
         self.tensorboard.close()
         if self.wandb is not None:
@@ -651,7 +745,10 @@ class Logger:
 
 
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only."""
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only,
+    every rank's part gathered; rank 0 writes it."""
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -709,14 +806,17 @@ def write_video(path, frames, fps=15):
 
 
 @torch.no_grad()
-def evaluate(agent, args, device, seed, video_path=None):
-    """Mean raw return of the stochastic policy, one episode per env, on levels drawn from the unbounded level
+def evaluate(agent, args, device, num_episodes, seed, video_path=None):
+    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded level
     distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
     not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0, 0,
+    if num_episodes == 0:  # more ranks than evaluation episodes
+        return []
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
                                                  args.env_threads))
     obs, _ = envs.reset(seed=seed)
-    returns, frames = np.full(args.eval_episodes, np.nan), [obs[0]]
+    returns = np.full(num_episodes, np.nan)
+    frames = [obs[0]]
     while np.isnan(returns).any():
         logits, _ = agent(torch.as_tensor(obs, device=device))
         obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
@@ -728,24 +828,28 @@ def evaluate(agent, args, device, seed, video_path=None):
     envs.close()
     if video_path:
         write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
-    return float(returns.mean())
+    return returns.tolist()
 
 
 def train(args):
     check_args(args)
     if args.resume or args.eval_only:
         checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+        saved_ranks = len(checkpoint["ranks"])  # each rank's reward statistics and RNG states are its own
+        require(args.eval_only or saved_ranks == int(os.environ.get("WORLD_SIZE", 1)), f"--resume {args.resume} was "
+                f"written by {saved_ranks} ranks: resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+    rank, world_size, device = setup_distributed(args)
+    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
     batch_size = args.num_envs * args.num_steps
     num_iterations = args.total_timesteps // batch_size
     if num_iterations * batch_size != args.total_timesteps and not args.eval_only:
         print(f"note: training {num_iterations * batch_size:,} steps ({num_iterations} whole iterations)")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)  # each rank its own actions and minibatches (and, below, its own levels)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    aux_device = aux_buffer_device(args, device) if args.e_aux and not args.eval_only else None  # may refuse, early
+    aux_device = aux_buffer_device(args, device, world_size) if args.e_aux and not args.eval_only else None  # early
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
     autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
@@ -753,8 +857,7 @@ def train(args):
     run_name = checkpoint["run_name"] if args.resume else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
     run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
-    os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir, resume_iteration=start_iteration - 1 if args.resume else None)
+    logger = Logger(args, run_name, run_dir, rank, resume_iteration=start_iteration - 1 if args.resume else None)
 
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -763,13 +866,18 @@ def train(args):
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)  # as the PPG code
     if args.resume or args.eval_only:
         agent.load_state_dict(checkpoint["agent"])
+    for tensor in agent.state_dict().values() if dist.is_initialized() else ():  # all ranks start from rank 0's
+        dist.broadcast(tensor, src=0)
     policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
     forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
 
     def run_evaluation(iteration, global_step):
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video else None
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video and rank == 0 \
+            else None
         start = time.time()
-        eval_return = evaluate(agent, args, device, seed=args.seed + 10**6 + iteration, video_path=video)
+        eval_return = float(np.mean(gather(evaluate(  # the ranks share the episodes
+            agent, args, device, len(range(rank, args.eval_episodes, world_size)),
+            seed=args.seed + 10**6 + iteration * world_size + rank, video_path=video))))
         score = normalized_score(args.env_id, args.distribution_mode, eval_return)
         logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
                     "eval/normalized_score": score, "time/eval": time.time() - start}, video)
@@ -779,23 +887,25 @@ def train(args):
 
     if args.eval_only:
         run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
-        return logger.close()
+        logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return run_dir
 
-    envs = make_env(args, args.num_envs)
+    envs = make_env(args, local_envs)
     normalizer = envs.env  # the NormalizeReward wrapper: its running statistics go into checkpoints
     # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
-    obs = torch.zeros((args.num_steps, args.num_envs, 64, 64, 3), dtype=torch.uint8, device=device)
-    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
-    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device)
-                                         for _ in range(4))
-    rollout_logits = torch.zeros((args.num_steps, args.num_envs, 15), device=device)  # pi_old, for the exact KL
-    staging = torch.zeros((args.num_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
+    actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
+    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
+    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for the exact KL
+    staging = torch.zeros((local_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
     to_device = lambda frames: (staging.copy_(torch.from_numpy(frames)).to(device, non_blocking=True)
                                 if device.type == "cuda" else torch.from_numpy(frames))  # pinned, asynchronous
     if args.e_aux:  # PPG's buffer B: the phase's rollouts, whole and rollout-major (frames and V_targ)
-        aux_obs = torch.empty((args.n_pi * args.num_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
+        aux_obs = torch.empty((args.n_pi * local_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
                               device=aux_device, pin_memory=aux_device.type == "cpu" and device.type == "cuda")
-        aux_value_targets = torch.empty((args.n_pi * args.num_envs, args.num_steps), device=aux_device)
+        aux_value_targets = torch.empty((args.n_pi * local_envs, args.num_steps), device=aux_device)
     if num_iterations % args.n_pi and args.e_aux:  # the auxiliary phase costs no environment steps: whole phases
         print(f"note: the last {num_iterations % args.n_pi} iterations are not followed by an auxiliary phase")
     num_stored = 0
@@ -805,19 +915,19 @@ def train(args):
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
         aux_optimizer.load_state_dict(checkpoint["aux_optimizer"])
-        restore_rank_state(checkpoint["ranks"][0], normalizer)
+        restore_rank_state(checkpoint["ranks"][rank], normalizer)
         kl_beta = checkpoint["kl_beta"]
         print(f"resuming {run_name} at iteration {start_iteration}")
 
     def checkpoint_state(iteration):
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
                     aux_optimizer=aux_optimizer.state_dict(),
-                    global_step=iteration * batch_size, ranks=[rank_state(normalizer)], kl_beta=kl_beta,
+                    global_step=iteration * batch_size, ranks=gather([rank_state(normalizer)]), kl_beta=kl_beta,
                     args=asdict(args), run_name=run_name)
 
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so no level is replayed.
-    next_obs = to_device(envs.reset(seed=args.seed + start_iteration - 1)[0])
-    next_done = torch.zeros(args.num_envs, device=device)
+    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no level is replayed.
+    next_obs = to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
+    next_done = torch.zeros(local_envs, device=device)
     global_step, completed = (start_iteration - 1) * batch_size, start_iteration - 1
     start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
     interrupted = catch_interrupt()
@@ -863,10 +973,13 @@ def train(args):
             stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
             if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                 kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
-            stats["explained_variance"] = (1 - (returns - values).var() / returns.var()).item()
+            stats["explained_variance"] = (1 - (global_moments(returns - values)[1] / global_moments(returns)[1]) ** 2
+                                           ).item()
             update_time = time.time() - update_start
 
             # 4. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console.
+            episode_returns = gather(episode_returns)  # every rank's episodes count
+            episode_lengths = gather(episode_lengths)
             recent_returns.extend(episode_returns)
             sps = (global_step - start_step) / (time.time() - start_time)
             average = lambda xs: float(np.mean(xs)) if len(xs) else None
@@ -894,7 +1007,7 @@ def train(args):
 
             # PPG: "Add all (s_t, V_targ_t) to B"; after N_pi iterations, the auxiliary phase on B.
             if args.e_aux:
-                stored = slice(num_stored * args.num_envs, (num_stored + 1) * args.num_envs)
+                stored = slice(num_stored * local_envs, (num_stored + 1) * local_envs)
                 aux_obs[stored] = obs.transpose(0, 1)
                 aux_value_targets[stored] = returns.transpose(0, 1)
                 num_stored += 1
@@ -914,11 +1027,13 @@ def train(args):
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            if interrupted and num_stored == 0:  # Ctrl-C: stop here, at a phase boundary, with nothing half done
+            stop = all_reduce_mean(torch.tensor(float(bool(interrupted)), device=device)) > 0  # any rank's signal
+            if stop and num_stored == 0:  # stops all at a phase boundary, with nothing half done
+                signum = interrupted[0] if interrupted else signal.SIGTERM
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted by {signal.Signals(interrupted[0]).name}: saved iteration {iteration} to "
+                print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
                       f"{run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(128 + interrupted[0])
+                raise SystemExit(128 + signum)
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
@@ -929,6 +1044,8 @@ def train(args):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         envs.close()
         logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return run_dir
 
 

@@ -7,6 +7,7 @@ Read first: `train` (the story, top to bottom), then `compute_gae` and `ppo_upda
 """
 import collections
 import contextlib
+import datetime
 import io
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import pickle
 import random
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -21,6 +23,7 @@ from typing import Literal, Optional
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
@@ -373,8 +376,9 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
-    if args.adv_norm == "batch":
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    if args.adv_norm == "batch":  # over the whole batch of all ranks, as the PPG code's mpi_moments
+        mean, std = global_moments(advantages)
+        advantages = (advantages - mean) / (std + 1e-8)
     stats = {}
     num_minibatches = 0
     for epoch in range(max(epochs_pi, epochs_v)):
@@ -386,8 +390,9 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 logits, new_value = agent(batch["obs"][idx])
             new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][idx])
             mb_advantages = advantages[idx]
-            if args.adv_norm == "minibatch":
-                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            if args.adv_norm == "minibatch":  # over the minibatch of all ranks
+                mean, std = global_moments(mb_advantages)
+                mb_advantages = (mb_advantages - mean) / (std + 1e-8)
             log_ratio = new_log_prob - batch["log_probs"][idx]
             ratio = log_ratio.exp()
             kl = categorical_kl(batch["logits"][idx], logits.float())
@@ -400,6 +405,7 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 (args.vf_coef * v_loss if epoch < epochs_v else 0)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            average_gradients(optimizer)
             grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
             if not torch.isfinite(grad_norms).all():  # one host sync per minibatch: stop before a NaN reaches weights
                 raise FloatingPointError(f"non-finite loss {loss.item()} or gradient in epoch {epoch}")
@@ -413,11 +419,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 epoch_kl = epoch_kl + kl.mean()
             num_minibatches += 1
         stop_early = args.policy_loss == "clip" and args.target_kl is not None
-        if stop_early and stats["approx_kl"] / num_minibatches > args.target_kl:
+        if stop_early and all_reduce_mean(stats["approx_kl"] / num_minibatches) > args.target_kl:  # all ranks agree
             break
     stats = {key: value / num_minibatches for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
-    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
+    return dict(zip(stats, all_reduce_mean(torch.stack(list(stats.values()))).tolist()))
 
 
 def require(ok, message):
@@ -448,12 +454,16 @@ def check_args(args):
                  non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
                                "ent_coef", "vf_coef", "kl_beta"),
                  fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
-    batch_size = args.num_envs * args.num_steps
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
+    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
+            "ranks: each rank steps num_envs / ranks games")
+    batch_size = args.num_envs // world_size * args.num_steps
     require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
-            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * "
-            f"num_steps); try one of {[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
-    require(args.total_timesteps >= batch_size, f"--total-timesteps {args.total_timesteps} is less than one "
-            f"iteration (num_envs * num_steps = {batch_size})")
+            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
+            f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
+            f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
+            f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
             "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
@@ -469,22 +479,82 @@ def thread_split(args, device):
     2 torch threads run the rollout and the update 1.6-1.9x faster than 1; procgen threads change little).
     On GPU procgen gets the cores and torch one thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
     return env_threads, torch_threads
+
+
+def setup_distributed(args):
+    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global), WORLD_SIZE and
+    LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0 of 1, with no process group.
+    NCCL connects GPUs, gloo CPUs; a collective that a failed rank never joins times out after 10 minutes (torchrun
+    itself stops the other ranks 30 s after one fails)."""
+    rank = int(os.environ.get("RANK", 0))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
+    return rank, int(os.environ.get("WORLD_SIZE", 1)), device
+
+
+def all_reduce_mean(tensor):
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def average_gradients(optimizer):
+    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient of the whole
+    minibatch, all ranks alike. A parameter left out of the loss has no gradient on any rank."""
+    if not dist.is_initialized():
+        return
+    grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    flat = all_reduce_mean(torch.cat([grad.flatten() for grad in grads]))
+    for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(mean.view_as(grad))
+
+
+def global_moments(x):
+    """Mean and standard deviation of x over all ranks' data (each rank holds as many elements)."""
+    if not dist.is_initialized():
+        return x.mean(), x.std()
+    mean, mean_square = all_reduce_mean(torch.stack([x.mean(), (x * x).mean()]))
+    count = x.numel() * dist.get_world_size()
+    return mean, ((mean_square - mean**2) * count / (count - 1)).clamp(min=0).sqrt()
+
+
+def gather(items):
+    """Every rank's list `items`, concatenated in rank order, on every rank."""
+    if not dist.is_initialized():
+        return items
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, items)
+    return [item for rank_items in per_rank for item in rank_items]
 
 
 def catch_interrupt():
     """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
     records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
     128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
-    last checkpoint). `train` restores the default handlers when it returns."""
+    last checkpoint); under torchrun a process gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so
+    a repeat within 2 s counts once. `train` restores the default handlers when it returns."""
     requested = []
+    first_time = []
 
     def handler(signum, frame):
-        if requested:
+        if requested and time.time() - first_time[0] > 2:
             raise KeyboardInterrupt
+        if requested:
+            return
         requested.append(signum)
+        first_time.append(time.time())
         print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
               "signal stops at once)", flush=True)
     signal.signal(signal.SIGINT, handler)
@@ -497,7 +567,11 @@ class Logger:
     same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
     and, with --track, to wandb."""
 
-    def __init__(self, args, run_name, run_dir, resume_iteration=None):
+    def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
+        self.file = None
+        if rank > 0:  # rank 0 writes for all ranks
+            return
+        os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         purge_step = None
         if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
@@ -521,6 +595,8 @@ class Logger:
                                     name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
 
     def log(self, row, video=None):
+        if self.file is None:
+            return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for key, value in row.items():
@@ -541,6 +617,8 @@ class Logger:
                            step=row["global_step"])
 
     def close(self):
+        if self.file is None:
+            return
         self.file.close()
         self.tensorboard.close()
         if self.wandb is not None:
@@ -548,7 +626,10 @@ class Logger:
 
 
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only."""
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only,
+    every rank's part gathered; rank 0 writes it."""
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -606,14 +687,17 @@ def write_video(path, frames, fps=15):
 
 
 @torch.no_grad()
-def evaluate(agent, args, device, seed, video_path=None):
-    """Mean raw return of the stochastic policy, one episode per env, on levels drawn from the unbounded level
+def evaluate(agent, args, device, num_episodes, seed, video_path=None):
+    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded level
     distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
     not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0, 0,
+    if num_episodes == 0:  # more ranks than evaluation episodes
+        return []
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
                                                  args.env_threads))
     obs, _ = envs.reset(seed=seed)
-    returns, frames = np.full(args.eval_episodes, np.nan), [obs[0]]
+    returns = np.full(num_episodes, np.nan)
+    frames = [obs[0]]
     while np.isnan(returns).any():
         logits, _ = agent(torch.as_tensor(obs, device=device))
         obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
@@ -625,23 +709,27 @@ def evaluate(agent, args, device, seed, video_path=None):
     envs.close()
     if video_path:
         write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
-    return float(returns.mean())
+    return returns.tolist()
 
 
 def train(args):
     check_args(args)
     if args.resume or args.eval_only:
         checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+        saved_ranks = len(checkpoint["ranks"])  # each rank's reward statistics and RNG states are its own
+        require(args.eval_only or saved_ranks == int(os.environ.get("WORLD_SIZE", 1)), f"--resume {args.resume} was "
+                f"written by {saved_ranks} ranks: resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+    rank, world_size, device = setup_distributed(args)
+    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
     batch_size = args.num_envs * args.num_steps
     num_iterations = args.total_timesteps // batch_size
     if num_iterations * batch_size != args.total_timesteps and not args.eval_only:
         print(f"note: training {num_iterations * batch_size:,} steps ({num_iterations} whole iterations)")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)  # each rank its own actions and minibatches (and, below, its own levels)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
     autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
@@ -649,8 +737,7 @@ def train(args):
     run_name = checkpoint["run_name"] if args.resume else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
     run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
-    os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir, resume_iteration=start_iteration - 1 if args.resume else None)
+    logger = Logger(args, run_name, run_dir, rank, resume_iteration=start_iteration - 1 if args.resume else None)
 
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -658,12 +745,17 @@ def train(args):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     if args.resume or args.eval_only:
         agent.load_state_dict(checkpoint["agent"])
+    for tensor in agent.state_dict().values() if dist.is_initialized() else ():  # all ranks start from rank 0's
+        dist.broadcast(tensor, src=0)
     policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
 
     def run_evaluation(iteration, global_step):
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video else None
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video and rank == 0 \
+            else None
         start = time.time()
-        eval_return = evaluate(agent, args, device, seed=args.seed + 10**6 + iteration, video_path=video)
+        eval_return = float(np.mean(gather(evaluate(  # the ranks share the episodes
+            agent, args, device, len(range(rank, args.eval_episodes, world_size)),
+            seed=args.seed + 10**6 + iteration * world_size + rank, video_path=video))))
         score = normalized_score(args.env_id, args.distribution_mode, eval_return)
         logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
                     "eval/normalized_score": score, "time/eval": time.time() - start}, video)
@@ -673,34 +765,36 @@ def train(args):
 
     if args.eval_only:
         run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
-        return logger.close()
+        logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return run_dir
 
-    envs = make_env(args, args.num_envs)
+    envs = make_env(args, local_envs)
     normalizer = envs.env  # the NormalizeReward wrapper: its running statistics go into checkpoints
     # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
-    obs = torch.zeros((args.num_steps, args.num_envs, 64, 64, 3), dtype=torch.uint8, device=device)
-    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
-    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device)
-                                         for _ in range(4))
-    rollout_logits = torch.zeros((args.num_steps, args.num_envs, 15), device=device)  # pi_old, for the exact KL
-    staging = torch.zeros((args.num_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
+    actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
+    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
+    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for the exact KL
+    staging = torch.zeros((local_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
     to_device = lambda frames: (staging.copy_(torch.from_numpy(frames)).to(device, non_blocking=True)
                                 if device.type == "cuda" else torch.from_numpy(frames))  # pinned, asynchronous
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's beta (adapted unless --kl-beta)
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        restore_rank_state(checkpoint["ranks"][0], normalizer)
+        restore_rank_state(checkpoint["ranks"][rank], normalizer)
         kl_beta = checkpoint["kl_beta"]
         print(f"resuming {run_name} at iteration {start_iteration}")
 
     def checkpoint_state(iteration):
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
-                    global_step=iteration * batch_size, ranks=[rank_state(normalizer)], kl_beta=kl_beta,
+                    global_step=iteration * batch_size, ranks=gather([rank_state(normalizer)]), kl_beta=kl_beta,
                     args=asdict(args), run_name=run_name)
 
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so no level is replayed.
-    next_obs = to_device(envs.reset(seed=args.seed + start_iteration - 1)[0])
-    next_done = torch.zeros(args.num_envs, device=device)
+    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no level is replayed.
+    next_obs = to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
+    next_done = torch.zeros(local_envs, device=device)
     global_step, completed = (start_iteration - 1) * batch_size, start_iteration - 1
     start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
     interrupted = catch_interrupt()
@@ -747,10 +841,13 @@ def train(args):
             stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
             if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                 kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
-            stats["explained_variance"] = (1 - (returns - values).var() / returns.var()).item()
+            stats["explained_variance"] = (1 - (global_moments(returns - values)[1] / global_moments(returns)[1]) ** 2
+                                           ).item()
             update_time = time.time() - update_start
 
             # 4. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console.
+            episode_returns = gather(episode_returns)  # every rank's episodes count
+            episode_lengths = gather(episode_lengths)
             recent_returns.extend(episode_returns)
             sps = (global_step - start_step) / (time.time() - start_time)
             average = lambda xs: float(np.mean(xs)) if len(xs) else None
@@ -775,11 +872,12 @@ def train(args):
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            if interrupted:  # Ctrl-C: stop here, between iterations, with nothing half done
+            if all_reduce_mean(torch.tensor(float(bool(interrupted)), device=device)) > 0:  # any rank's signal
+                signum = interrupted[0] if interrupted else signal.SIGTERM  # stops all, here, with nothing half done
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted by {signal.Signals(interrupted[0]).name}: saved iteration {iteration} to "
+                print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
                       f"{run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(128 + interrupted[0])
+                raise SystemExit(128 + signum)
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
@@ -790,6 +888,8 @@ def train(args):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         envs.close()
         logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return run_dir
 
 

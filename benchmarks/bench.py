@@ -7,7 +7,11 @@ ratios are taken pair by pair, because absolute times on shared machines drift.
   python benchmarks/bench.py --script ppo_procgen.py --iterations 20 \
       --config plain="--no-channels-last" --config fast="--channels-last --compile --amp"
 
-Works with ppo_procgen.py, ppg_procgen.py and vtrace.py. Reports, per configuration: SPS (median and min-max over the
+Works with ppo_procgen.py, ppg_procgen.py and vtrace.py. A configuration whose flags hold `--nproc-per-node N` runs
+under torchrun with N ranks (data parallel; SPS counts the steps of all ranks):
+
+  python benchmarks/bench.py --script ppo_procgen.py --config 1rank= --config "2ranks=--nproc-per-node 2"
+ Reports, per configuration: SPS (median and min-max over the
 measured iterations of all rounds; "overall" divides all measured steps by all measured time, PPG's auxiliary phases
 included), the median seconds per iteration of each phase the script logs (time/*: env stepping, rollout = env +
 policy inference + host-device copies, update; PPG's auxiliary phase; V-trace's learner wait and learn), peak host RSS
@@ -43,8 +47,13 @@ def steps_per_iteration(script, flags):
 def run_once(script, flags, iterations, warmup, workdir):
     """One training process; returns its measured iteration rows (after warm-up), its auxiliary-phase rows (PPG)
     and its peak RSS."""
+    launcher = [sys.executable]
+    if "--nproc-per-node" in flags:  # data parallel: torchrun starts the ranks
+        position = flags.index("--nproc-per-node")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", *flags[position : position + 2]]
+        flags = flags[:position] + flags[position + 2 :]
     total = (warmup + iterations) * steps_per_iteration(script, flags)
-    command = [sys.executable, os.path.join(ROOT, script), *flags, "--total-timesteps", str(total),
+    command = [*launcher, os.path.join(ROOT, script), *flags, "--total-timesteps", str(total),
                "--eval-every", "0", "--eval-episodes", "1", "--exp-name", "bench"]
     with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty child can never block on it
         process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=stderr, text=True)

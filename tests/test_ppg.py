@@ -155,8 +155,9 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
 
 def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(SystemExit, match=r"auxiliary buffer needs [0-9.]+ GiB \(--n-pi 100000 x --num-envs 64 x "
-                                         r"--num-steps 256 frames\) but only [0-9.]+ GiB of cpu memory is free"):
+    with pytest.raises(SystemExit, match=r"auxiliary buffer needs [0-9.]+ GiB per rank \(--n-pi 100000 x --num-envs "
+                                         r"64 / 1 ranks x --num-steps 256 frames\) but only [0-9.]+ GiB of cpu memory "
+                                         r"is free per rank"):
         ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
     assert not os.path.exists("runs")
@@ -165,7 +166,7 @@ def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
 def test_bad_ppg_flags_fail_at_once():
     with pytest.raises(SystemExit, match="--save-every 100 must be a multiple of --n-pi 32"):
         ppg.check_args(ppg.Args(save_every=100))
-    with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide --num-aux-rollouts 4"):
+    with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide the 4 rollouts of each rank's auxiliary"):
         ppg.check_args(ppg.Args(n_aux_grad_accum=3))
     with pytest.raises(SystemExit, match="--e-v 0 must be > 0"):
         ppg.check_args(ppg.Args(e_v=0))

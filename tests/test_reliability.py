@@ -29,7 +29,8 @@ BAD_VALUES = {
     "eval_every": (-1, "must be >= 0"), "eval_episodes": (0, "must be > 0"), "save_every": (0, "must be > 0"),
     "torch_threads": (-2, "must be >= 0"), "n_pi": (0, "must be > 0"), "e_pi": (0, "must be > 0"),
     "e_v": (0, "must be > 0"), "e_aux": (-1, "must be >= 0"), "beta_clone": (float("-inf"), "must be finite"),
-    "num_aux_rollouts": (0, "must be > 0"), "n_aux_grad_accum": (0, "must be > 0"),
+    "num_aux_rollouts": (0, "must be > 0"), "n_aux_grad_accum": (0, "must be > 0"), "kl_beta": (-1.0, "must be >= 0"),
+    "reward_norm_gamma": (1.5, "must be in [0, 1]"),
 }
 
 
