@@ -198,9 +198,9 @@ def read_run(path):
     evaluations = [row for row in run.rows if "eval/episodic_return" in row]
     last_step = iterations[-1]["global_step"] if iterations else 0
     if run.partial is None and last_step < final_step:
-        run.partial = f"stopped at step {last_step:,} of {final_step:,}"
+        run.partial = f"ends at step {last_step:,} of {final_step:,} (stopped, crashed or still running)"
     elif run.partial is None and not (evaluations and evaluations[-1]["global_step"] == final_step):
-        run.partial = "no final evaluation"
+        run.partial = "no final evaluation (crashed in it or still running)"
     return run
 
 
@@ -235,9 +235,11 @@ def training_curve(run, window):
 
 
 def evaluation_curve(run):
+    """(steps, returns) of the run's evaluations."""
     rows = [row for row in run.rows if row.get("eval/episodic_return") is not None]
-    return np.array([row["global_step"] for row in rows], dtype=float), np.array(
-        [row["eval/episodic_return"] for row in rows], dtype=float)
+    steps = np.array([row["global_step"] for row in rows], dtype=float)
+    returns = np.array([row["eval/episodic_return"] for row in rows], dtype=float)
+    return steps, returns
 
 
 def run_score(run, score):
@@ -259,13 +261,14 @@ def plot_game(path, game, mode, by_algorithm, colors, args):
         partial = sum(run.partial is not None for run in runs)
         label = f"{algorithm} ({len(runs)} seed{'s' * (len(runs) > 1)}" + (f", {partial} partial)" if partial else ")")
         for axis, curve_of in ((axes[0], lambda run: training_curve(run, args.smooth)), (axes[1], evaluation_curve)):
-            curves = [curve for curve in map(curve_of, runs) if len(curve[0])]
+            run_curves = [curve_of(run) for run in runs]
+            curves = [curve for curve in run_curves if len(curve[0])]
             if not curves:
                 continue
             steps, mean, low, high, _ = mean_and_band(curves, args.confidence)
             axis.plot(steps, mean, color=color, label=label)
             axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
-            for run, (x, y) in zip(runs, map(curve_of, runs)):
+            for run, (x, y) in zip(runs, run_curves):
                 if run.partial is not None and len(x):  # where a partial run ends
                     axis.plot(x[-1], y[-1], "x", color=color)
     axes[0].set_title(f"training return (episodes of the last {args.smooth} iterations)")
