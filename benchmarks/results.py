@@ -1,0 +1,491 @@
+"""From runs to results: learning curves per game, and aggregate normalized scores with confidence intervals.
+
+  python benchmarks/results.py runs                         # figures and tables in runs/_results/
+  python benchmarks/results.py runs --score eval --out docs/results
+
+Reads every run folder under RUNS (at any depth): `args.json` (the run's flags, written when it starts) and
+`metrics.jsonl` (a row per iteration and per evaluation). Runs are grouped by algorithm (`--exp-name`: the scripts'
+stems read PPO, PPG and IMPALA, any other name is shown as given), game, distribution mode and seed. Writes to --out:
+- `<game>_<mode>.png`: training and evaluation return against environment steps, one line per algorithm: the mean
+  over seeds and a 95% Student-t interval around it;
+- `aggregate.md`, `aggregate.png`: per distribution mode and algorithm, the normalized score's interquartile mean,
+  median and mean with 95% stratified-bootstrap confidence intervals, the probability that each algorithm improves on
+  each other one, and the per-game returns (mean +- std over seeds);
+- the same summary on the console.
+A crashed run is read up to its last complete row and marked partial, as is a run that stopped short of its steps.
+
+The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice" (NeurIPS), as in
+their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch); docs/
+results_howto.md records a cross-check against rliable 1.2.0.
+"""
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import tyro  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from ppo_procgen import PROCGEN_RANGES, normalized_score  # noqa: E402  (one table of ranges for the whole repo)
+
+LABELS = {"ppo_procgen": "PPO", "ppg_procgen": "PPG", "vtrace": "IMPALA"}  # exp_name defaults: the script stems
+ORDER = {label: index for index, label in enumerate(LABELS.values())}  # PPO, PPG, IMPALA, then the others by name
+
+
+@dataclass
+class Args:
+    runs: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")]
+    """folder holding the run folders (searched at any depth), e.g. runs"""
+    out: Optional[str] = None
+    """where the figures and tables go (default: RUNS/_results)"""
+    score: Literal["train", "eval"] = "train"
+    """each run's score for the aggregate: 'train' = mean return of its last 100 training episodes at its last
+    iteration (what CleanRL's and the PPG paper's tables report), 'eval' = its last evaluation's mean return"""
+    smooth: int = 10
+    """training curves: each point is the mean return of the episodes that ended in the last this many iterations"""
+    reps: int = 50_000
+    """bootstrap resamples (rliable's default)"""
+    confidence: float = 0.95
+    """coverage of the confidence intervals and of the curves' bands"""
+    seed: int = 0
+    """seed of the bootstrap's random generator (the same seed gives the same intervals)"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics. A score set is a list with one array per task (game): the normalized scores of that task's runs, on
+# the last axis (leading axes, if any, index bootstrap resamples). Tasks may have different numbers of runs.
+
+def interquartile_mean(task_scores):
+    """IQM: the mean of the middle 50% of all (run x task) scores pooled, floor(n/4) of the n scores trimmed from each
+    end (as scipy.stats.trim_mean(scores, 0.25), which rliable calls). Robust to outlier runs, yet uses half the
+    data, where the median uses one or two scores."""
+    pooled = np.sort(np.concatenate(task_scores, axis=-1), axis=-1)
+    trim = pooled.shape[-1] // 4
+    return pooled[..., trim : pooled.shape[-1] - trim].mean(axis=-1)
+
+
+def median_of_task_means(task_scores):
+    """rliable's aggregate median: the median over tasks of each task's mean score over runs."""
+    return np.median(np.stack([scores.mean(axis=-1) for scores in task_scores], axis=-1), axis=-1)
+
+
+def mean_of_task_means(task_scores):
+    """rliable's aggregate mean: the mean over tasks of each task's mean score over runs."""
+    return np.stack([scores.mean(axis=-1) for scores in task_scores], axis=-1).mean(axis=-1)
+
+
+def probability_of_improvement(scores_x, scores_y):
+    """P(X > Y) = (1/M) sum_m (1/(N_m K_m)) sum_i sum_j S(x_m,i, y_m,j), with S(x, y) = 1 if x > y, 1/2 if x = y,
+    0 otherwise: per task m the Mann-Whitney U statistic of X's N_m runs against Y's K_m runs, normalized to a
+    probability, then averaged over the M tasks (Agarwal et al. 2021, section 4.3)."""
+    per_task = []
+    for x, y in zip(scores_x, scores_y):
+        x_i = x[..., :, None]  # every pair (i, j) of an X run and a Y run
+        y_j = y[..., None, :]
+        per_task.append(((x_i > y_j) + 0.5 * (x_i == y_j)).mean(axis=(-2, -1)))
+    return np.mean(per_task, axis=0)
+
+
+def stratified_bootstrap(task_scores, reps, rng):
+    """Resample runs with replacement *within each task* (the strata), keeping each task's number of runs: the
+    uncertainty of a repeat of the experiment with new seeds on the same games. Returns one array per task, shape
+    (reps, runs of that task)."""
+    return [scores[rng.integers(0, len(scores), size=(reps, len(scores)))] for scores in task_scores]
+
+
+def percentile_interval(samples, confidence):
+    """The percentile bootstrap interval: the (1-c)/2 and (1+c)/2 quantiles of the resampled statistic."""
+    return tuple(np.percentile(samples, [50 * (1 - confidence), 50 * (1 + confidence)]))
+
+
+def student_t_quantile(probability, df):
+    """The quantile of Student's t with an integer number of degrees of freedom, by bisection on its CDF in closed
+    form (Abramowitz & Stegun 26.7.3-4): with theta = atan(t / sqrt(df)), P(|T| <= t) is
+    (2/pi) (theta + sin(theta) sum_{k=0}^{(df-3)/2} a_k cos^(2k+1)(theta)), a_0 = 1, a_k = a_{k-1} 2k/(2k+1), for odd
+    df, and sin(theta) sum_{k=0}^{(df-2)/2} b_k cos^(2k)(theta), b_0 = 1, b_k = b_{k-1} (2k-1)/(2k), for even df."""
+    def two_sided_cdf(t):
+        theta = np.arctan(t / np.sqrt(df))
+        series = 0.0
+        coefficient = 1.0
+        if df % 2 == 1:
+            for k in range((df - 1) // 2):
+                series += coefficient * np.cos(theta) ** (2 * k + 1)
+                coefficient *= (2 * k + 2) / (2 * k + 3)
+            return 2 / np.pi * (theta + np.sin(theta) * series)
+        for k in range(df // 2):
+            series += coefficient * np.cos(theta) ** (2 * k)
+            coefficient *= (2 * k + 1) / (2 * k + 2)
+        return np.sin(theta) * series
+
+    target = 2 * probability - 1  # P(T <= t) = p  <=>  P(|T| <= t) = 2p - 1 for p > 1/2
+    low = 0.0
+    high = 1e6
+    for _ in range(200):
+        middle = (low + high) / 2
+        if two_sided_cdf(middle) < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def mean_and_band(curves, confidence):
+    """Align runs on the union of their logged steps (linear interpolation where a run lacks a step, nothing past
+    either end of a run) and return (steps, mean, low, high, runs per step): the mean over runs with a Student-t
+    interval, mean +- t_{(1+c)/2, n-1} s / sqrt(n), where at least two runs cover the step (NaN elsewhere)."""
+    steps = np.unique(np.concatenate([x for x, _ in curves]))
+    aligned = np.full((len(curves), len(steps)), np.nan)
+    for row, (x, y) in enumerate(curves):
+        inside = (steps >= x[0]) & (steps <= x[-1])
+        aligned[row, inside] = np.interp(steps[inside], x, y)
+    count = (~np.isnan(aligned)).sum(axis=0)
+    mean = np.nanmean(aligned, axis=0)
+    half_width = np.full(len(steps), np.nan)
+    for n in np.unique(count[count >= 2]):
+        at = count == n
+        spread = np.nanstd(aligned[:, at], axis=0, ddof=1)
+        half_width[at] = student_t_quantile((1 + confidence) / 2, int(n) - 1) * spread / np.sqrt(n)
+    return steps, mean, mean - half_width, mean + half_width, count
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading runs
+
+@dataclass
+class Run:
+    path: str
+    algorithm: str
+    game: str
+    mode: str
+    seed: int
+    args: dict
+    rows: list = field(default_factory=list)
+    partial: Optional[str] = None  # why the run is partial (None: it finished)
+
+
+def read_run(path):
+    """A run folder's flags and metrics rows, up to the last row that parses; marks the run partial when a line is
+    cut off (a crash mid-write) or when it stopped short of its total steps or of its final evaluation."""
+    with open(os.path.join(path, "args.json")) as f:
+        args = json.load(f)
+    exp_name = args.get("exp_name", os.path.splitext(args.get("script", "?"))[0])
+    run = Run(path, LABELS.get(exp_name, exp_name), args["env_id"], args["distribution_mode"], args["seed"], args)
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        run.partial = "no metrics.jsonl"
+        return run
+    with open(metrics) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                run.rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                run.partial = f"metrics.jsonl line {number} cut off; read up to line {number - 1}"
+                break
+    # Steps per iteration as the scripts compute them (vtrace.py: updates x unrolls per update x unroll length).
+    if "updates_per_iteration" in args:
+        steps_per_iteration = args["updates_per_iteration"] * args["batch_size"] * args["unroll_length"]
+    else:
+        steps_per_iteration = args["num_envs"] * args["num_steps"]
+    final_step = args["total_timesteps"] // steps_per_iteration * steps_per_iteration
+    iterations = [row for row in run.rows if "charts/episodic_return" in row]
+    evaluations = [row for row in run.rows if "eval/episodic_return" in row]
+    last_step = iterations[-1]["global_step"] if iterations else 0
+    if run.partial is None and last_step < final_step:
+        run.partial = f"ends at step {last_step:,} of {final_step:,} (stopped, crashed or still running)"
+    elif run.partial is None and not (evaluations and evaluations[-1]["global_step"] == final_step):
+        run.partial = "no final evaluation (crashed in it or still running)"
+    return run
+
+
+def find_runs(folder):
+    """Every folder under `folder` that holds an args.json, sorted by path."""
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: RUNS {folder!r} is not a folder; give the folder the scripts wrote (e.g. runs)")
+    if not os.access(folder, os.R_OK | os.X_OK):
+        raise SystemExit(f"error: RUNS {folder!r} cannot be read (permission denied)")
+    found = []
+    for directory, _, files in os.walk(folder, onerror=lambda error: print(f"warning: skipped {error}")):
+        if "args.json" in files:
+            found.append(directory)
+    if not found:
+        raise SystemExit(f"error: no runs under {folder!r}: expected run folders with args.json and metrics.jsonl, as "
+                         "ppo_procgen.py, ppg_procgen.py and vtrace.py write them in runs/")
+    return sorted(found)
+
+
+def training_curve(run, window):
+    """(steps, returns): at each iteration the mean return of the episodes that ended in the last `window` iterations
+    (weighted by their counts, so every episode counts once); iterations with no episode in the window are left out."""
+    rows = [row for row in run.rows if "charts/episodic_return" in row]
+    steps = np.array([row["global_step"] for row in rows], dtype=float)
+    counts = np.array([row["charts/episodes"] if row["charts/episodic_return"] is not None else 0 for row in rows],
+                      dtype=float)
+    sums = np.array([row["charts/episodic_return"] or 0.0 for row in rows], dtype=float) * counts
+    window_counts = np.convolve(counts, np.ones(window))[: len(rows)]  # trailing sums over `window` iterations
+    window_sums = np.convolve(sums, np.ones(window))[: len(rows)]
+    kept = window_counts > 0
+    return steps[kept], window_sums[kept] / window_counts[kept]
+
+
+def evaluation_curve(run):
+    """(steps, returns) of the run's evaluations."""
+    rows = [row for row in run.rows if row.get("eval/episodic_return") is not None]
+    steps = np.array([row["global_step"] for row in rows], dtype=float)
+    returns = np.array([row["eval/episodic_return"] for row in rows], dtype=float)
+    return steps, returns
+
+
+def run_score(run, score):
+    """The run's raw score for the aggregate (see --score), or None if it has none yet."""
+    if score == "train":
+        rows = [row for row in run.rows if "charts/episodic_return_last100" in row]
+        return rows[-1]["charts/episodic_return_last100"] if rows else None
+    rows = [row for row in run.rows if row.get("eval/episodic_return") is not None]
+    return rows[-1]["eval/episodic_return"] if rows else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures
+
+def plot_game(path, game, mode, by_algorithm, colors, args):
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for algorithm, runs in by_algorithm.items():
+        color = colors[algorithm]
+        partial = sum(run.partial is not None for run in runs)
+        label = f"{algorithm} ({len(runs)} seed{'s' * (len(runs) > 1)}" + (f", {partial} partial)" if partial else ")")
+        for axis, curve_of in ((axes[0], lambda run: training_curve(run, args.smooth)), (axes[1], evaluation_curve)):
+            run_curves = [curve_of(run) for run in runs]
+            curves = [curve for curve in run_curves if len(curve[0])]
+            if not curves:
+                continue
+            steps, mean, low, high, _ = mean_and_band(curves, args.confidence)
+            axis.plot(steps, mean, color=color, label=label)
+            axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+            for run, (x, y) in zip(runs, run_curves):
+                if run.partial is not None and len(x):  # where a partial run ends
+                    axis.plot(x[-1], y[-1], "x", color=color)
+    axes[0].set_title(f"training return (episodes of the last {args.smooth} iterations)")
+    axes[1].set_title("evaluation return")
+    for axis in axes:
+        axis.set_xlabel("environment steps")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("episodic return (raw game score)")
+    axes[0].legend()
+    figure.suptitle(f"{game} ({mode}): mean over seeds, {args.confidence:.0%} t-interval; x: a partial run's end")
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def draw_interval(axis, position, value, interval, color):
+    """A horizontal bar over the interval and a black tick at the point estimate."""
+    axis.barh(position, interval[1] - interval[0], left=interval[0], height=0.6, alpha=0.6, color=color)
+    axis.plot([value, value], [position - 0.3, position + 0.3], color="black")
+
+
+def plot_aggregate(path, aggregates, colors, score_name, confidence):
+    """One row per distribution mode: IQM, median and mean with their intervals, then P(X > Y) for each pair."""
+    bars = max(max(len(aggregate["metrics"]), len(aggregate["improvement"])) for aggregate in aggregates.values())
+    figure, axes = plt.subplots(len(aggregates), 4, figsize=(16, len(aggregates) * (1.6 + 0.45 * bars)),
+                                squeeze=False, constrained_layout=True)
+    for row, (mode, aggregate) in enumerate(aggregates.items()):
+        algorithms = list(aggregate["metrics"])
+        for column, metric in enumerate(("IQM", "median", "mean")):
+            axis = axes[row, column]
+            for position, algorithm in enumerate(algorithms):
+                draw_interval(axis, position, *aggregate["metrics"][algorithm][metric], color=colors[algorithm])
+            axis.set_yticks(range(len(algorithms)), algorithms if column == 0 else [""] * len(algorithms))
+            axis.invert_yaxis()  # the first algorithm on top
+            axis.use_sticky_edges = False  # bars pin the axis to their left ends; pad instead, so that an interval
+            axis.margins(x=0.1)            # of zero width stays visible
+            axis.set_title(f"{metric} ({mode})")
+            axis.set_xlabel("normalized score")
+            axis.grid(axis="x", alpha=0.3)
+        axis = axes[row, 3]
+        pairs = list(aggregate["improvement"].items())
+        for position, (_, (value, interval)) in enumerate(pairs):
+            draw_interval(axis, position, value, interval, color="C4")
+        axis.set_yticks(range(len(pairs)), [f"P({x} > {y})" for (x, y), _ in pairs])
+        axis.invert_yaxis()
+        axis.axvline(0.5, color="gray", linestyle="--")
+        axis.set_xlim(-0.02, 1.02)
+        axis.set_title(f"probability of improvement ({mode})")
+        axis.grid(axis="x", alpha=0.3)
+    figure.suptitle(f"normalized score over {score_name}; bars: {confidence:.0%} stratified-bootstrap intervals, "
+                    "black ticks: point estimates")
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregate and tables
+
+def aggregate_scores(scores, reps, confidence, rng):
+    """scores: {algorithm: one array of normalized scores per game}, the same games for every algorithm. Returns
+    ({algorithm: {"IQM" | "median" | "mean": (point estimate, interval)}}, {(X, Y): (P(X > Y), interval)})."""
+    metrics = {}
+    for algorithm, task_scores in scores.items():
+        resampled = stratified_bootstrap(task_scores, reps, rng)  # the same resamples for the three statistics
+        metrics[algorithm] = {name: (float(statistic(task_scores)),
+                                     percentile_interval(statistic(resampled), confidence))
+                              for name, statistic in (("IQM", interquartile_mean), ("median", median_of_task_means),
+                                                      ("mean", mean_of_task_means))}
+    improvement = {}
+    for x in scores:
+        for y in scores:
+            if x != y:  # X's and Y's runs are resampled independently, each within its games
+                resampled = probability_of_improvement(stratified_bootstrap(scores[x], reps, rng),
+                                                       stratified_bootstrap(scores[y], reps, rng))
+                improvement[(x, y)] = (float(probability_of_improvement(scores[x], scores[y])),
+                                       percentile_interval(resampled, confidence))
+    return metrics, improvement
+
+
+def format_interval(value, interval):
+    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def markdown_table(header, rows):
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(row) + " |" for row in rows] + [""]
+
+
+def mode_tables(mode, games, raw, metrics, improvement, args, score_name):
+    """The Markdown tables of one distribution mode."""
+    algorithms = list(raw)
+    lines = [f"Games: {', '.join(games)}. Normalization: (R - R_min) / (R_max - R_min) with Procgen's published "
+             f"{mode} ranges. Intervals: {args.confidence:.0%} percentile stratified bootstrap ({args.reps:,} "
+             f"resamples of the runs within each game, seed {args.seed}).", ""]
+    rows = []
+    for algorithm in algorithms:
+        used = [run for game in games for run, value in raw[algorithm][game] if value is not None]
+        partial = sum(run.partial is not None for run in used)
+        rows.append([algorithm, f"{len(used)}" + (f" ({partial} partial)" if partial else "")]
+                    + [format_interval(*metrics[algorithm][name]) for name in ("IQM", "median", "mean")])
+    lines += markdown_table(["algorithm", "runs", "IQM", "median", "mean"], rows)
+    if improvement:
+        lines += ["Probability of improvement P(row > column): Mann-Whitney per game (ties count 1/2), averaged over "
+                  "games.", ""]
+        lines += markdown_table([""] + algorithms, [[x] + ["-" if x == y else format_interval(*improvement[(x, y)])
+                                                           for y in algorithms] for x in algorithms])
+    rows = []
+    for game in games:
+        cells = [game]
+        for algorithm in algorithms:
+            values = np.array([value for _, value in raw[algorithm][game] if value is not None])
+            spread = f" +- {values.std(ddof=1):.2f}" if len(values) > 1 else ""
+            cells.append(f"{values.mean():.2f}{spread} ({len(values)})")
+        rows.append(cells)
+    lines += [f"Raw return per game over {score_name}: mean +- std over seeds (number of seeds).", ""]
+    return lines + markdown_table(["game"] + algorithms, rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
+    for ok, message in ((args.smooth >= 1, f"--smooth {args.smooth} must be >= 1 (iterations)"),
+                        (args.reps >= 1000, f"--reps {args.reps} must be >= 1000 for a stable interval"),
+                        (0 < args.confidence < 1, f"--confidence {args.confidence} must be in (0, 1)")):
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    out = args.out or os.path.join(args.runs, "_results")
+    score_name = {"train": "the last 100 training episodes", "eval": "the last evaluation"}[args.score]
+
+    # 1. Read every run, then group by (mode, game) and algorithm, one run per seed.
+    candidates = {}
+    skipped = []
+    for path in find_runs(args.runs):
+        try:
+            run = read_run(path)
+        except (OSError, ValueError, KeyError, TypeError) as error:  # an unreadable or foreign args.json
+            skipped.append(f"{path}: cannot read args.json ({type(error).__name__}: {error})")
+            continue
+        if run.args.get("eval_only"):
+            skipped.append(f"{path}: an --eval-only run")
+            continue
+        candidates.setdefault((run.mode, run.game, run.algorithm, run.seed), []).append(run)
+    groups = {}
+    for (mode, game, algorithm, seed), same_seed in sorted(candidates.items()):
+        # A seed run twice (a re-run after a crash, say): keep a finished run over a partial one, then the newer one.
+        kept = max(same_seed, key=lambda run: (run.partial is None, os.path.getmtime(os.path.join(run.path,
+                                                                                                  "args.json"))))
+        skipped += [f"{run.path}: seed {seed} again in {kept.path}, which is kept" for run in same_seed
+                    if run is not kept]
+        groups.setdefault((mode, game), {}).setdefault(algorithm, []).append(kept)
+    runs = [run for algorithms in groups.values() for seeds in algorithms.values() for run in seeds]
+    if not runs:
+        raise SystemExit(f"error: no readable runs under {args.runs!r} ({len(skipped)} skipped; the first: "
+                         f"{skipped[0]})")
+    print(f"{len(runs)} runs under {args.runs}: " + "; ".join(
+        f"{game} ({mode}): " + ", ".join(f"{algorithm} x{len(seeds)}" for algorithm, seeds in algorithms.items())
+        for (mode, game), algorithms in sorted(groups.items())))
+    for run in runs:
+        if run.partial:
+            print(f"partial: {run.path}: {run.partial}")
+    for line in skipped:
+        print(f"skipped: {line}")
+    for algorithm in sorted({run.algorithm for run in runs}):
+        for flag in ("total_timesteps", "num_levels"):
+            values = sorted({run.args.get(flag) for run in runs if run.algorithm == algorithm}, key=str)
+            if len(values) > 1:
+                print(f"warning: {algorithm}'s runs differ in --{flag.replace('_', '-')} ({values}); give each "
+                      "setting its own --exp-name to keep them apart")
+
+    # 2. Learning curves: one figure per game and mode, each algorithm in the same colour everywhere.
+    order = lambda algorithm: (ORDER.get(algorithm, len(ORDER)), algorithm)
+    colors = {algorithm: f"C{index}" for index, algorithm in enumerate(sorted({run.algorithm for run in runs},
+                                                                               key=order))}
+    os.makedirs(out, exist_ok=True)
+    for (mode, game), algorithms in sorted(groups.items()):
+        by_algorithm = {algorithm: algorithms[algorithm] for algorithm in sorted(algorithms, key=order)}
+        plot_game(os.path.join(out, f"{game}_{mode}.png"), game, mode, by_algorithm, colors, args)
+
+    # 3. Aggregate normalized scores per mode, over the games on which every algorithm has a scored run.
+    rng = np.random.default_rng(args.seed)
+    aggregates = {}
+    lines = []
+    for mode in sorted({mode for mode, _ in groups}):
+        games = sorted(game for game_mode, game in groups if game_mode == mode)
+        algorithms = sorted({algorithm for game in games for algorithm in groups[(mode, game)]}, key=order)
+        raw = {algorithm: {game: [(run, run_score(run, args.score)) for run in groups[(mode, game)].get(algorithm, [])]
+                           for game in games} for algorithm in algorithms}
+        common = [game for game in games
+                  if all(any(value is not None for _, value in raw[algorithm][game]) for algorithm in algorithms)]
+        lines += [f"## {mode} mode: normalized score over {score_name}", ""]
+        if set(common) != set(games):
+            lines += [f"Left out of the aggregate, as not every algorithm has a scored run there: "
+                      f"{', '.join(sorted(set(games) - set(common)))}.", ""]
+        if not common or any(mode not in PROCGEN_RANGES[game] for game in common):
+            lines += ["No aggregate: " + ("no published normalization ranges for this mode." if common else
+                                          "no game on which every algorithm has a scored run."), ""]
+            continue
+        scores = {algorithm: [np.array([normalized_score(game, mode, value) for _, value in raw[algorithm][game]
+                                        if value is not None]) for game in common] for algorithm in algorithms}
+        metrics, improvement = aggregate_scores(scores, args.reps, args.confidence, rng)
+        aggregates[mode] = dict(games=common, metrics=metrics, improvement=improvement)
+        lines += mode_tables(mode, common, raw, metrics, improvement, args, score_name)
+
+    # 4. Write the tables and the figure; print the same.
+    command = (f"python benchmarks/results.py {args.runs} --score {args.score} --smooth {args.smooth} --reps "
+               f"{args.reps} --confidence {args.confidence} --seed {args.seed}")
+    partial_runs = [f"- `{run.path}`: {run.partial}" for run in runs if run.partial]
+    with open(os.path.join(out, "aggregate.md"), "w") as f:
+        f.write("\n".join([f"# Results from {len(runs)} runs", "", f"`{command}`", ""] + lines
+                          + (["Partial runs (read up to their last complete row):", ""] + partial_runs
+                             if partial_runs else [])) + "\n")
+    if aggregates:
+        plot_aggregate(os.path.join(out, "aggregate.png"), aggregates, colors, score_name, args.confidence)
+    print("\n" + "\n".join(lines))
+    print(f"wrote {out}/: " + ", ".join(sorted(os.listdir(out))))
+    return dict(runs=runs, groups=groups, aggregates=aggregates, out=out)
+
+
+if __name__ == "__main__":
+    main()
