@@ -61,7 +61,7 @@ case "$MODE" in
     hard)
         MODE_FLAGS="--distribution-mode hard --total-timesteps ${TOTAL_TIMESTEPS:-100000000}"
         PPO_MODE_FLAGS="--num-envs 256"
-        PPG_MODE_FLAGS="--num-envs 256 --num-aux-rollouts 16" ;;
+        PPG_MODE_FLAGS="--num-envs 256" ;;  # its default auxiliary minibatch is then 16 rollouts
     *) echo "error: MODE=$MODE; choose easy or hard" >&2; exit 2 ;;
 esac
 

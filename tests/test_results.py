@@ -242,7 +242,7 @@ def test_procgen_suite_dry_run():
     assert len(every_game) == 16 * 3 + 1
     hard = suite(MODE="hard", GAMES="coinrun", SEEDS="1").stdout.splitlines()
     assert hard[0].endswith("--distribution-mode hard --total-timesteps 100000000 --save-model --num-envs 256")
-    assert hard[1].endswith("--num-envs 256 --num-aux-rollouts 16")
+    assert hard[1].endswith("--num-envs 256")
     for variables, message in (({"MODE": "medium"}, "MODE=medium"), ({"GAMES": "pong"}, "GAMES contains pong"),
                                ({"SCRIPTS": "dqn.py"}, "SCRIPTS contains dqn.py")):
         bad = suite(**variables)
