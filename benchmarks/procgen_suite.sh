@@ -60,7 +60,10 @@ case "$MODE" in
     # then 256 steps x 256 envs x 32 iterations of 64x64x3 uint8 frames = 24 GiB (on the GPU if it fits, else host).
     hard)
         MODE_FLAGS="--distribution-mode hard --total-timesteps ${TOTAL_TIMESTEPS:-100000000}"
-        PPO_MODE_FLAGS="--num-envs 256"
+        # The paper's PPO baseline ran in the PPG code (README, "PPG, as implemented"): PPG's init, advantage and
+        # reward normalization and optimizer; its own --exp-name keeps it apart from baselines PPO in results.py.
+        PPO_MODE_FLAGS="--num-envs 256 --exp-name ppo_paper_baseline --init normed --adv-norm batch --max-grad-norm inf"
+        PPO_MODE_FLAGS="$PPO_MODE_FLAGS --no-clip-vloss --adam-eps 1e-8 --reward-norm-gamma 0.99"
         PPG_MODE_FLAGS="--num-envs 256" ;;  # its default auxiliary minibatch is then 16 rollouts
     *) echo "error: MODE=$MODE; choose easy or hard" >&2; exit 2 ;;
 esac

@@ -241,7 +241,9 @@ def test_procgen_suite_dry_run():
     every_game = suite(GAMES="all", SEEDS="1", SCRIPTS="ppo_procgen.py ppg_procgen.py vtrace.py").stdout.splitlines()
     assert len(every_game) == 16 * 3 + 1
     hard = suite(MODE="hard", GAMES="coinrun", SEEDS="1").stdout.splitlines()
-    assert hard[0].endswith("--distribution-mode hard --total-timesteps 100000000 --save-model --num-envs 256")
+    assert hard[0].endswith("--distribution-mode hard --total-timesteps 100000000 --save-model --num-envs 256 "
+                            "--exp-name ppo_paper_baseline --init normed --adv-norm batch --max-grad-norm inf "
+                            "--no-clip-vloss --adam-eps 1e-8 --reward-norm-gamma 0.99")
     assert hard[1].endswith("--num-envs 256")
     for variables, message in (({"MODE": "medium"}, "MODE=medium"), ({"GAMES": "pong"}, "GAMES contains pong"),
                                ({"SCRIPTS": "dqn.py"}, "SCRIPTS contains dqn.py")):
