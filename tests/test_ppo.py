@@ -234,10 +234,10 @@ def cue_args(module, **overrides):
     return module.Args(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("variant", [{}, {"policy_loss": "kl-penalty", "target_kl": 0.01}])
+@pytest.mark.parametrize("variant", [{}, {"policy_loss": "kl-penalty", "target_kl": 0.01}, {"amp": True}])
 def test_ppo_learns_the_cue_task(variant, cue_env, in_tmp):
-    """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8. PPO-clip
-    and PPO-penalty (adaptive beta) both learn it."""
+    """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8. PPO-clip,
+    PPO-penalty (adaptive beta) and PPO-clip with bfloat16 autocast (--amp, here on the CPU) all learn it."""
     cue_env(ppo)
     rows = read_rows(ppo.train(cue_args(ppo, **variant)))
     train_returns = [r["charts/episodic_return"] for r in rows if r.get("charts/episodic_return") is not None]
