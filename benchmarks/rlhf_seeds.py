@@ -62,24 +62,24 @@ def aggregate(results):
     return summary
 
 
-def show(number, digits=3):
-    return f"{number['mean']:+.{digits}f} ± {number['se']:.{digits}f}"
+def show(number, digits=3, sign="+"):
+    return f"{number['mean']:{sign}.{digits}f} ± {number['se']:.{digits}f}"
 
 
 def print_tables(summary):
     print(f"\nmean ± standard error over {summary['seeds']} seeds\n")
     rm = summary["rm"]
-    print(f"reward model: held-out accuracy {show(rm['rm/heldout_acc'])} vs noisy labels (ceiling "
-          f"{show(rm['rm/label_ceiling'])}), {show(rm['rm/heldout_acc_gold'])} vs the gold order; held-out loss "
-          f"{show(rm['rm/heldout_loss'])}; {rm['rm/train_pairs']['mean']:.0f} training / "
+    print(f"reward model: held-out accuracy {show(rm['rm/heldout_acc'], sign='')} vs noisy labels (ceiling "
+          f"{show(rm['rm/label_ceiling'], sign='')}), {show(rm['rm/heldout_acc_gold'], sign='')} vs the gold order; "
+          f"held-out loss {show(rm['rm/heldout_loss'], sign='')}; {rm['rm/train_pairs']['mean']:.0f} training / "
           f"{rm['rm/heldout_pairs']['mean']:.0f} held-out pairs\n")
     print("| policy | gold (hidden, max 2) | proxy (RM) | KL to SFT (nats) | grammar | repeats | distinct |")
     print("|---|---|---|---|---|---|---|")
     rows = [("SFT", summary["sft"])] + [(f"PPO, β = {beta}", final) for beta, final in summary["ppo"].items()]
     for name, final in rows:
         print(f"| {name} | {show(final['gold/score'])} | {show(final['proxy/score'])} | "
-              f"{show(final['objective/kl'], 2)} | {show(final['gold/grammar_rate'], 2)} | "
-              f"{show(final['gold/repeat_rate'], 2)} | {show(final['gold/distinct_frac'], 2)} |")
+              f"{show(final['objective/kl'], 2, '')} | {show(final['gold/grammar_rate'], 2, '')} | "
+              f"{show(final['gold/repeat_rate'], 2, '')} | {show(final['gold/distinct_frac'], 2, '')} |")
     for row in summary["bon"]:
         print(f"| best-of-{row['n']} from SFT | {show(row['gold/score'])} | {show(row['proxy/score'])} | "
               f"≤ {row['kl_bound']:.2f} | | | |")
@@ -94,7 +94,7 @@ def print_tables(summary):
         final = summary["ppo"][beta]
         print(f"| {beta} | {peak['gold/score']:+.3f} ± {peak['gold/score se']:.3f} | {peak['objective/kl']:.2f} ± "
               f"{peak['objective/kl se']:.2f} | {peak['iteration']} | {show(final['gold/score'])} | "
-              f"{show(final['proxy/score'])} | {show(final['objective/kl'], 2)} |")
+              f"{show(final['proxy/score'])} | {show(final['objective/kl'], 2, '')} |")
 
 
 def main(args):
@@ -116,7 +116,10 @@ def main(args):
     out = args.out or os.path.join("runs", f"rlhf_seeds__{int(time.time())}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     record = {"command": sys.argv, "seeds": list(args.seeds), "wall_s": time.time() - start, "aggregate": summary,
-              "per_seed": [{key: value for key, value in result.items() if key != "histories"} for result in results]}
+              "per_seed": [{**{key: value for key, value in result.items() if key != "histories"},
+                            "smoothed_peak": {str(beta): toy.smoothed_peak([history])
+                                              for beta, history in result["histories"].items()}}
+                           for result in results]}
     with open(out + ".tmp", "w") as file:
         json.dump(record, file, indent=1)
     os.replace(out + ".tmp", out)

@@ -206,12 +206,12 @@ def test_mean_standard_error_and_smoothed_peak_on_closed_forms():
     # average of (j - 30)^2 / 100 over j = 26..34 is 60 / 9 / 100 at the centre.
     histories = [[{"gold/score": -((i - 30) ** 2) / 100 + offset, "objective/kl": i / 10} for i in range(1, 61)]
                  for offset in (-0.1, 0.1)]
-    peak = M.smoothed_peak(histories)
+    peak = M.smoothed_peak(histories, window=9)
     assert peak["iteration"] == 30 and peak["objective/kl"] == pytest.approx(3.0)
     assert peak["gold/score"] == pytest.approx(-60 / 9 / 100) and peak["gold/score se"] == pytest.approx(0.1)
     assert peak["objective/kl se"] == pytest.approx(0.0, abs=1e-12)
     noisy = [{"gold/score": 5.0 if i == 50 else -((i - 30) ** 2) / 100, "objective/kl": 0.0} for i in range(1, 61)]
-    assert M.smoothed_peak([noisy])["iteration"] == 30  # one noisy batch does not make the peak
+    assert M.smoothed_peak([noisy], window=9)["iteration"] == 30  # one noisy batch does not make the peak
 
 
 # ---------------------------------------------------------------- masks, EOS, the reward model and its data
@@ -665,8 +665,8 @@ def test_a_checkpoint_written_before_weights_only_loading_still_loads(in_tmp):
 # ---------------------------------------------------------------- end to end
 TINY = dict(corpus_size=3000, sft_steps=250, num_pairs=3000, rm_epochs=3, rm_lr=3e-3, ppo_iterations=25,
             rollout_batch_size=64, eval_samples=256, bon_pool=16)
-MICRO = dict(corpus_size=500, sft_steps=20, num_pairs=200, rm_epochs=1, ppo_iterations=3, rollout_batch_size=32,
-             eval_samples=64, bon_pool=4)
+MICRO = dict(corpus_size=300, sft_steps=10, num_pairs=100, rm_epochs=1, ppo_iterations=3, rollout_batch_size=16,
+             num_minibatches=2, eval_samples=32, bon_pool=4)
 
 
 def read_records(run_dir):
@@ -790,8 +790,7 @@ def test_seeds_tool_mean_and_standard_error_and_tensorboard_events_of_each_run(i
 def test_sigterm_stops_after_the_current_step_keeps_finished_stages_and_exits_143(tmp_path):
     """A real SIGTERM to a real run: the PPO iteration at hand finishes, the finished stages' checkpoints and the
     PPO policy so far are on disk (no .tmp), the logs are complete, one line says so, and the status is 128 + 15."""
-    tiny = dict(MICRO, corpus_size=200, sft_steps=5, num_pairs=50, eval_samples=16, bon_pool=2)
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in tiny.items() if key != "ppo_iterations"]
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in MICRO.items() if key != "ppo_iterations"]
     command = [sys.executable, "-u", os.path.join(ROOT, "ppo_rlhf_toy.py"), *flags, "--ppo-iterations=100000",
                "--save-model"]
     process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
