@@ -1024,7 +1024,7 @@ def load_checkpoint(path, flag, device):
                          f"({type(error).__name__}: {reason})")
     if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get("config"), dict)
             and isinstance(checkpoint.get("state_dict"), dict)):
-        found = sorted(checkpoint)[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        found = list(checkpoint)[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise SystemExit(f"error: {flag} {path}: not a checkpoint of ppo_rlhf_toy.py (expected a dict with 'config' "
                          f"and 'state_dict'; found {found})")
     try:

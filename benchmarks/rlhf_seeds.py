@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_rlhf_toy as toy  # noqa: E402  (tooling may import the script; the scripts never import each other)
 
 EVAL_KEYS = ["gold/score", "proxy/score", "objective/kl", "gold/grammar_rate", "gold/repeat_rate", "gold/distinct_frac"]
+KL_LEVELS = (1.0, 2.0, 4.0, 6.0)  # where the runs of different beta are compared at the same KL
 RM_KEYS = ["rm/heldout_acc", "rm/heldout_acc_gold", "rm/label_ceiling", "rm/heldout_loss", "rm/train_pairs",
            "rm/heldout_pairs"]
 
@@ -40,6 +41,12 @@ def mean_se(values):
     return {"mean": float(mean), "se": float(error)}
 
 
+def gold_at_kl(history, level):
+    """Gold score of the first PPO iteration whose rollout-batch KL reaches `level`, or None if none does. Raw batch
+    means: a moving average over a run whose KL rises fast would mix several KLs."""
+    return next((record["gold/score"] for record in history if record["objective/kl"] >= level), None)
+
+
 def aggregate(results):
     """Mean +- standard error over seeds of the RM's numbers, the SFT and final PPO evaluations, best-of-n, the
     paired difference PPO - best-of-n (largest n) of each seed, and the smoothed gold peak of each beta."""
@@ -50,12 +57,17 @@ def aggregate(results):
     summary = {"seeds": len(results),
                "rm": {key: over_seeds(lambda result: result["rm"][key]) for key in RM_KEYS},
                "sft": {key: over_seeds(lambda result: result["sft"][key]) for key in EVAL_KEYS},
-               "ppo": {}, "bon": [], f"ppo_minus_best_of_{largest_n}": {}, "smoothed_peak": {}}
+               "ppo": {}, "bon": [], f"ppo_minus_best_of_{largest_n}": {}, "smoothed_peak": {}, "gold_at_kl": {}}
     for beta in betas:
         summary["ppo"][beta] = {key: over_seeds(lambda result: result["ppo"][beta][key]) for key in EVAL_KEYS}
         summary[f"ppo_minus_best_of_{largest_n}"][beta] = {
             key: over_seeds(lambda result: result["ppo"][beta][key] - result["bon"][-1][key]) for key in scores}
         summary["smoothed_peak"][beta] = toy.smoothed_peak([result["histories"][float(beta)] for result in results])
+        summary["gold_at_kl"][beta] = {}
+        for level in KL_LEVELS:  # over the seeds whose run reached this KL
+            golds = [gold_at_kl(result["histories"][float(beta)], level) for result in results]
+            reached = [gold for gold in golds if gold is not None]
+            summary["gold_at_kl"][beta][str(level)] = {**(mean_se(reached) if reached else {}), "seeds": len(reached)}
     for index, row in enumerate(results[0]["bon"]):
         summary["bon"].append({"n": row["n"], "kl_bound": row["kl_bound"],
                                **{key: over_seeds(lambda result: result["bon"][index][key]) for key in scores}})
@@ -64,6 +76,13 @@ def aggregate(results):
 
 def show(number, digits=3, sign="+"):
     return f"{number['mean']:{sign}.{digits}f} ± {number['se']:.{digits}f}"
+
+
+def show_reached(cell, seeds):
+    """Mean ± standard error over the seeds whose run got there, saying how many when not all did."""
+    if cell["seeds"] == 0:
+        return "never"
+    return show(cell) + ("" if cell["seeds"] == seeds else f" ({cell['seeds']} of {seeds} seeds)")
 
 
 def print_tables(summary):
@@ -95,6 +114,11 @@ def print_tables(summary):
         print(f"| {beta} | {peak['gold/score']:+.3f} ± {peak['gold/score se']:.3f} | {peak['objective/kl']:.2f} ± "
               f"{peak['objective/kl se']:.2f} | {peak['iteration']} | {show(final['gold/score'])} | "
               f"{show(final['proxy/score'])} | {show(final['objective/kl'], 2, '')} |")
+    seeds = summary["seeds"]
+    print(f"\n| β | {' | '.join(f'gold where KL first reaches {level:g}' for level in KL_LEVELS)} |")
+    print("|---|" + "---|" * len(KL_LEVELS))
+    for beta, levels in summary["gold_at_kl"].items():
+        print(f"| {beta} | {' | '.join(show_reached(cell, seeds) for cell in levels.values())} |")
 
 
 def main(args):

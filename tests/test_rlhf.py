@@ -663,7 +663,7 @@ def test_a_checkpoint_written_before_weights_only_loading_still_loads(in_tmp):
 
 
 # ---------------------------------------------------------------- end to end
-TINY = dict(corpus_size=3000, sft_steps=250, num_pairs=3000, rm_epochs=3, rm_lr=3e-3, ppo_iterations=25,
+TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, rm_lr=3e-3, ppo_iterations=20,
             rollout_batch_size=64, eval_samples=256, bon_pool=16)
 MICRO = dict(corpus_size=300, sft_steps=10, num_pairs=100, rm_epochs=1, ppo_iterations=3, rollout_batch_size=16,
              num_minibatches=2, eval_samples=32, bon_pool=4)
@@ -772,6 +772,9 @@ def test_seeds_tool_mean_and_standard_error_and_tensorboard_events_of_each_run(i
     paired = results["aggregate"]["ppo_minus_best_of_4"]["0.05"]["gold/score"]
     assert paired["mean"] == pytest.approx(sum(differences) / 2)
     assert (in_tmp / "sweep.png").stat().st_size > 10000
+    history = [{"objective/kl": 0.5, "gold/score": 1.0}, {"objective/kl": 1.5, "gold/score": 2.0},
+               {"objective/kl": 1.2, "gold/score": 3.0}]
+    assert rlhf_seeds.gold_at_kl(history, 1.0) == 2.0 and rlhf_seeds.gold_at_kl(history, 2.0) is None
     output = capsys.readouterr().out
     assert "mean ± standard error over 2 seeds" in output and "| PPO, β = 0.05 |" in output
     # each run's TensorBoard events, and the docstring's table documents every metrics.jsonl key
