@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
