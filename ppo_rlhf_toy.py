@@ -1,40 +1,90 @@
 """RLHF with PPO, end to end, on a toy language small enough to train in minutes on a CPU.
 
-Stages (read `train` top to bottom): synthetic sentiment language -> SFT of a tiny causal transformer (the
-initial policy and the frozen reference) -> preference pairs labelled by a Bradley-Terry coin flip of a HIDDEN
-gold reward -> reward model (RM) -> PPO against the RM with a per-token KL penalty to the reference (Ziegler et
-al. 2019, arXiv 1909.08593; Stiennon et al. 2020) -> evaluation against the gold reward and a best-of-n baseline.
-The gold reward gates grammar and penalises repeated adjectives, which the preference data almost never shows,
-so the RM can be over-optimised (Gao et al. 2022, arXiv 2210.10760): `--sweep` shows it. Look first at
+The stages, in the order `train` runs them (the file's sections carry the same numbers):
+1. a synthetic sentiment language with a HIDDEN gold reward (`judge`);
+2. SFT of a tiny causal transformer on it: the initial policy and the frozen reference pi_ref;
+3. preference pairs of SFT samples, labelled by a Bradley-Terry coin flip of the gold reward;
+4. a reward model (RM) trained on them (InstructGPT Eq. 1);
+5. PPO against the RM with a per-token KL penalty to pi_ref (InstructGPT Eq. 2; Ziegler et al. 2019, arXiv
+   1909.08593; Stiennon et al. 2020), optionally PPO-ptx;
+6. evaluation against the gold reward, with a best-of-n baseline.
+The gold reward gates grammar and penalises repeated adjectives, which the preference data almost never shows, so
+the RM can be over-optimised (Gao et al. 2022, arXiv 2210.10760): `--sweep` shows it. Look first at
 `collect_rollout` and `ppo_losses`. Implementation details (EOS, padding, temperature, whitening, inits) follow
 OpenAI's lm-human-preferences code ("OAI") and Huang et al., "The N+ implementation details of RLHF with PPO",
-arXiv 2403.17031 ("N+"); comments name them where the code applies them.
+arXiv 2403.17031 ("N+"); comments name them where the code applies them. InstructGPT = Ouyang et al. 2022, arXiv
+2203.02155.
 
     python ppo_rlhf_toy.py                                               # all stages, about a minute on CPU
-    python ppo_rlhf_toy.py --sweep --ppo-iterations 150 --sweep-plot docs/rlhf_sweep.png
+    python ppo_rlhf_toy.py --sweep --ppo-iterations 150 --sweep-plot runs/sweep.png
     python ppo_rlhf_toy.py --load-sft runs/<run>/sft.pt --load-rm runs/<run>/rm.pt   # after --save-model
+    python benchmarks/rlhf_seeds.py --seeds 1 2 3                        # mean +- standard error over seeds
 
-Metrics (runs/{run_name}/metrics.jsonl, one JSON object per line, "stage" = sft | rm | ppo | eval | bon |
-summary). PPO records use TRL's names: means over the rollout batch of per-sequence sums over response tokens
-for objective/kl (k1), objective/kl_k3, objective/entropy (-log pi of the sampled tokens),
-objective/non_score_reward (-beta * penalty KL), objective/rlhf_reward (= objective/scores - beta * KL);
-objective/scores = proxy/score (RM); objective/kl_coef = beta; policy/approxkl_avg = 0.5 E[(log pi/pi_old)^2];
-policy/clipfrac_avg, val/clipfrac_avg (share of tokens where the policy / value clip binds);
-policy/entropy_avg (exact entropy during the update); loss/policy_avg, loss/value_avg; val/ratio, val/ratio_var
-(mean, variance of minibatch-mean pi/pi_old: ~1); val/num_eos_tokens; lr; episode (sequences so far); eps
-(episodes/s). The toy adds gold/score and the gates gold/grammar_rate, gold/eos_rate, gold/repeat_rate,
-gold/distinct_frac (distinct responses / batch), samples. rm: rm/heldout_acc (vs noisy labels),
-rm/heldout_acc_gold (vs noise-free gold order), rm/label_ceiling (best accuracy possible vs noisy labels),
-rm/bias, rm/gain. bon: n, kl_bound, proxy/score, gold/score.
+Outputs in runs/{run_name}/: metrics.jsonl (one JSON record per line; "stage" = sft | rm | ppo | eval | bon |
+summary), TensorBoard event files with the same numbers (`tensorboard --logdir runs`; see `Logger` for tags and
+steps), and with --save-model the checkpoints sft.pt, rm.pt, ppo_policy.pt. PPO records use TRL's names; "per
+sequence" = summed over the response tokens, then averaged over the rollout batch:
+
+| key                        | stage     | meaning                                                                  |
+|----------------------------|-----------|--------------------------------------------------------------------------|
+| stage                      | all       | which stage wrote the record                                             |
+| step, sft/loss             | sft       | SFT optimizer step; next-token cross-entropy of that step's batch        |
+| epoch                      | rm        | RM epoch (passes over the training pairs)                                |
+| rm/loss                    | rm        | Bradley-Terry loss (Eq. 1), mean over the epoch's training batches       |
+| rm/heldout_loss            | rm        | the same on the held-out pairs, after the epoch                          |
+| rm/heldout_acc             | rm        | held-out pairs whose label the RM ranks first (vs the noisy labels)      |
+| rm/heldout_acc_gold        | rm        | the same vs the noise-free gold order (gold ties left out)               |
+| rm/label_ceiling           | rm        | best accuracy possible vs the noisy labels: mean of max(p, 1 - p)        |
+| rm/train_pairs             | rm        | training pairs: sharing no sentence with a held-out pair                 |
+| rm/heldout_pairs           | rm        | held-out pairs                                                           |
+| rm/dropped_pairs           | rm        | pairs left out because they share a sentence with a held-out pair        |
+| rm/bias, rm/gain           | rm        | mean and std of the raw RM score on pi_ref samples (normalisation)       |
+| rm/epochs                  | rm        | epochs the RM was trained for                                            |
+| episode                    | ppo, eval | sequences sampled by PPO so far                                          |
+| lr, eps                    | ppo       | learning rate; episodes per second                                       |
+| objective/kl               | ppo, eval | per sequence k1 = log pi - log pi_ref: estimates KL of pi to pi_ref      |
+| objective/kl_k3            | ppo       | per sequence k3 (see --kl-estimator)                                     |
+| objective/entropy          | ppo       | per sequence -log pi of the sampled tokens                               |
+| objective/kl_coef          | ppo       | beta of this iteration                                                   |
+| objective/scores           | ppo       | mean RM score (after the missing-EOS penalty)                            |
+| objective/non_score_reward | ppo       | -beta * per sequence KL penalty (the estimator of --kl-estimator)        |
+| objective/rlhf_reward      | ppo       | objective/scores + objective/non_score_reward: Eq. 2 without ptx         |
+| policy/approxkl_avg        | ppo       | 0.5 E[(log pi - log pi_old)^2] over the update's minibatches             |
+| policy/clipfrac_avg        | ppo       | share of tokens where the policy clip binds                              |
+| policy/entropy_avg         | ppo       | exact entropy of pi over the vocabulary, during the update               |
+| loss/policy_avg            | ppo       | clipped surrogate loss                                                   |
+| loss/value_avg             | ppo       | clipped value loss                                                       |
+| loss/ptx_avg               | ppo       | PPO-ptx: cross-entropy on corpus batches (only with --ptx-coef > 0)      |
+| val/clipfrac_avg           | ppo       | share of tokens where the value clip binds                               |
+| val/ratio, val/ratio_var   | ppo       | mean and variance over minibatches of mean pi / pi_old: should be ~1     |
+| val/var_explained          | ppo       | 1 - Var[returns - V] / Var[returns] over the rollout's tokens            |
+| val/num_eos_tokens         | ppo       | EOS tokens in the rollout batch                                          |
+| ppo/returns/mean           | ppo       | mean of the GAE returns over the rollout's tokens                        |
+| ppo/returns/var            | ppo       | their variance                                                           |
+| proxy/score                | ppo, eval | mean normalised RM score                                                 |
+| gold/score                 | ppo, eval | mean hidden gold reward                                                  |
+| gold/eos_rate              | ppo, eval | share of responses that end with EOS                                     |
+| gold/grammar_rate          | ppo, eval | share of grammatical responses                                           |
+| gold/repeat_rate           | ppo, eval | share of responses that repeat an adjective                              |
+| gold/distinct_frac         | ppo, eval | distinct responses / batch size                                          |
+| samples                    | ppo, eval | a few sample texts (PPO: every SAMPLE_EVERY iterations)                  |
+| beta                       | eval      | the KL coefficient the run started from                                  |
+| n, kl_bound                | bon       | best-of-n's n; its KL bound log n - (n - 1)/n                            |
+| proxy/score, gold/score    | bon       | mean RM and gold scores of the best of n SFT samples (best by the RM)    |
+| rm, sft, ppo, bon, wall_s  | summary   | the RM's numbers, evaluations of SFT and PPO, best-of-n rows, seconds    |
 """
 import copy
+import functools
 import json
 import math
 import os
+import pickle
 import random
 import re
+import signal
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass
 from typing import Literal, Optional, Tuple
 
 import numpy as np
@@ -47,7 +97,12 @@ import tyro
 SFT_BATCH_SIZE = 128  # SFT sentences per step
 RM_BATCH_SIZE = 64  # preference pairs per RM step
 HELDOUT_FRAC = 0.1  # fraction of the preference pairs held out to measure RM accuracy
+PTX_SENTENCES_PER_EPISODE = 8  # PPO-ptx: corpus sentences per PPO episode in each minibatch (InstructGPT: 8x)
 SAMPLE_EVERY = 25  # print (and log) sample texts every this many PPO iterations
+# PPO iterations in the centred moving average of the sweep's curves and peaks: enough to average out the noise of
+# rollout-batch means, short enough to keep beta = 0's gold peak, which lasts a few iterations (a 9-iteration window
+# lowered it by another 0.19, mean of 3 seeds)
+SMOOTHING_WINDOW = 5
 
 
 @dataclass
@@ -67,7 +122,8 @@ class Args:
     max_response_len: int = 12
     """response tokens sampled after the prompt (<bos> DET NOUN); every corpus response fits"""
     num_pairs: int = 4000
-    """preference pairs sampled from the SFT policy (pairs without EOS are then dropped)"""
+    """preference pairs sampled from the SFT policy; pairs without EOS are dropped, 10% are held out, and training
+    pairs that share a sentence with a held-out pair are dropped (17-19% of them in 5 default runs)"""
     label_noise: float = 0.5
     """tau of the labeller p(a preferred) = sigmoid((r*(a) - r*(b)) / tau); small = near-deterministic"""
     # algorithm: models, SFT, reward model
@@ -82,7 +138,7 @@ class Args:
     sft_lr: float = 3e-3
     """SFT Adam learning rate, linearly decayed to 0"""
     rm_epochs: int = 4
-    """passes over the training pairs (OAI/N+ use 1 epoch of many more labels; our ~3.6k pairs need more)"""
+    """passes over the training pairs (OAI/N+ use 1 epoch of many more labels; our ~3k pairs need more)"""
     rm_lr: float = 1e-3
     """RM Adam learning rate, linearly decayed to 0 (as OAI)"""
     # algorithm: PPO
@@ -97,13 +153,18 @@ class Args:
     ppo_lr: float = 3e-4
     """Adam learning rate of policy and critic, linearly decayed to 0 (as OAI); Adam eps 1e-5"""
     max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
+    """global gradient-norm clip (inf: none)"""
     temperature: float = 0.7
     """sampling temperature (OAI/N+ value); logits are divided by it in rollout, reference and update alike"""
     beta: float = 0.05
-    """KL coefficient: per-token reward -beta*(log pi - log pi_ref); initial value with --adaptive-kl"""
+    """KL coefficient of InstructGPT Eq. 2: per-token reward -beta*(log pi - log pi_ref), a leash to pi_ref (the SFT
+    model) over the whole run, unlike the clip (--clip-coef); the initial value with --adaptive-kl"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL in the reward: k1 = log pi - log pi_ref, or k3 = (r - 1) - log r with r = pi_ref / pi"""
+    """per-token KL in the reward. k1 = log pi - log pi_ref: as a reward its policy gradient is that of
+    KL(pi || pi_ref). k3 = (r - 1) - log r with r = pi_ref / pi (offered by TRL) has the same expectation, but as a
+    reward its policy gradient is grad KL(pi || pi_ref) - grad KL(pi_ref || pi): it does not pull pi back towards
+    pi_ref: on an enumerable task (tests/test_rlhf.py) PPO with k3 ends on a single response, while with k1 it
+    reaches the KL-regularised optimum, which keeps its entropy. Offered to show that; use k1"""
     adaptive_kl: bool = False
     """adapt beta with Ziegler et al.'s proportional controller towards --kl-target"""
     kl_target: float = 6.0
@@ -111,7 +172,8 @@ class Args:
     kl_horizon: int = 10000
     """adaptive controller: horizon in episodes (Ziegler et al.; at 128 episodes per iteration beta moves slowly)"""
     clip_coef: float = 0.2
-    """PPO policy ratio clip epsilon"""
+    """PPO ratio clip epsilon: a trust region around pi_old, the policy that sampled this batch, so it moves every
+    iteration; it cannot keep pi near pi_ref over a run, which is the KL penalty's job (--beta)"""
     clip_coef_value: float = 0.2
     """clip range of the value prediction around its rollout value"""
     vf_coef: float = 0.1
@@ -124,6 +186,9 @@ class Args:
     """whiten per-token rewards (without re-centring) before GAE, as OAI did for stylistic tasks"""
     missing_eos_penalty: float = -1.0
     """score given instead of the RM's to a response that never emits EOS (the 'EOS trick' of OAI and N+)"""
+    ptx_coef: float = 0.0
+    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus batches (8 sentences per episode, as
+    InstructGPT) added to every PPO minibatch loss. 0 = plain PPO, InstructGPT's "PPO" models (its PPO-ptx: 27.8)"""
     # evaluation
     eval_samples: int = 512
     """samples for the final evaluation of the SFT and PPO policies"""
@@ -145,7 +210,7 @@ class Args:
     wandb_mode: Literal["online", "offline"] = "online"
     """wandb mode; offline needs no account or network"""
     save_model: bool = False
-    """write sft.pt, rm.pt and the PPO policy checkpoints under runs/{run_name}/"""
+    """write sft.pt and rm.pt when their stage ends, and the PPO policy (also when PPO is interrupted)"""
     load_sft: Optional[str] = None
     """load the SFT policy from this checkpoint instead of training it"""
     load_rm: Optional[str] = None
@@ -156,16 +221,22 @@ class Args:
 
 
 # ---------------------------------------------------------------- 1. the language and its hidden gold reward
-DETS, NOUNS, VERBS = ["the", "a"], ["movie", "plot", "cast", "ending", "music"], ["was", "is", "felt"]
-ADVS, CONJS = ["very", "really", "quite"], ["and", "but"]
+DETS = ["the", "a"]
+NOUNS = ["movie", "plot", "cast", "ending", "music"]
+VERBS = ["was", "is", "felt"]
+ADVS = ["very", "really", "quite"]
+CONJS = ["and", "but"]
 POSITIVE = ["great", "superb", "fun", "moving", "clever", "lovely"]
 NEGATIVE = ["boring", "awful", "dull", "messy", "silly", "bland"]
 VOCAB = ["<pad>", "<bos>"] + DETS + NOUNS + VERBS + ["not"] + ADVS + POSITIVE + NEGATIVE + CONJS + ["."]
-TOKEN = {w: i for i, w in enumerate(VOCAB)}
-PAD, BOS, EOS = TOKEN["<pad>"], TOKEN["<bos>"], TOKEN["."]  # PAD != EOS, else SFT never learns to stop (N+)
+TOKEN = {word: index for index, word in enumerate(VOCAB)}
+PAD = TOKEN["<pad>"]  # PAD != EOS, else SFT never learns to stop (N+)
+BOS = TOKEN["<bos>"]
+EOS = TOKEN["."]
 PROMPT_LEN = 3
-CATEGORY = {w: c for ws, c in [(DETS, "D"), (NOUNS, "N"), (VERBS, "V"), (["not"], "T"), (ADVS, "A"), (POSITIVE, "P"),
-                               (NEGATIVE, "M"), (CONJS, "C"), (["."], "E"), (["<pad>", "<bos>"], "_")] for w in ws}
+CATEGORY = {word: category for words, category in [
+    (DETS, "D"), (NOUNS, "N"), (VERBS, "V"), (["not"], "T"), (ADVS, "A"), (POSITIVE, "P"), (NEGATIVE, "M"),
+    (CONJS, "C"), (["."], "E"), (["<pad>", "<bos>"], "_")] for word in words}
 GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")  # response: VERB [not] [ADV] ADJ (CONJ [not] [ADV] ADJ)* "."
 
 
@@ -174,8 +245,8 @@ def make_sentence(rng, max_response_len):
     repeated adjective and never an ungrammatical sentence: the RM cannot learn those parts of the gold reward."""
     while True:
         words = [rng.choice(DETS), rng.choice(NOUNS), rng.choice(VERBS)]
-        for i, adjective in enumerate(rng.sample(POSITIVE + NEGATIVE, rng.choice([1, 1, 2, 2, 3]))):
-            words += ([rng.choice(CONJS)] if i else []) + (["not"] if rng.random() < 0.15 else [])
+        for index, adjective in enumerate(rng.sample(POSITIVE + NEGATIVE, rng.choice([1, 1, 2, 2, 3]))):
+            words += ([rng.choice(CONJS)] if index else []) + (["not"] if rng.random() < 0.15 else [])
             words += ([rng.choice(ADVS)] if rng.random() < 0.4 else []) + [adjective]
         if len(words) - 2 + 1 <= max_response_len:  # response = words after DET NOUN, plus "."
             return words + ["."]
@@ -188,28 +259,32 @@ def judge(response_words):
     if "." not in response_words:
         return -1.0, False, False, 0
     words = response_words[: response_words.index(".") + 1]
-    if not GRAMMAR.fullmatch("".join(CATEGORY[w] for w in words)):
+    if not GRAMMAR.fullmatch("".join(CATEGORY[word] for word in words)):
         return -2.0, True, False, 0
-    sentiment, negated, seen, repeats = 0, False, set(), 0
-    for w in words:
-        negated = (negated or w == "not") and w not in CONJS  # "not" negates up to the next conjunction
-        if CATEGORY[w] in "PM":
-            sentiment += (1 if w in POSITIVE else -1) * (-1 if negated else 1)
-            repeats, seen = repeats + (w in seen), seen | {w}
+    sentiment = 0
+    negated = False
+    seen = set()
+    repeats = 0
+    for word in words:
+        negated = (negated or word == "not") and word not in CONJS  # "not" negates up to the next conjunction
+        if CATEGORY[word] in "PM":
+            sentiment += (1 if word in POSITIVE else -1) * (-1 if negated else 1)
+            repeats += word in seen
+            seen.add(word)
     return max(-2, min(2, sentiment)) - 0.5 * repeats, True, True, repeats
 
 
 def decode(tokens):
-    return [VOCAB[t] for t in tokens if t not in (PAD, BOS)]
+    return [VOCAB[token] for token in tokens if token not in (PAD, BOS)]
 
 
 def language_stats(responses):
     """Gold score and the gates it checks, over a batch of response token rows."""
-    words = [decode(r) for r in responses.tolist()]
+    words = [decode(row) for row in responses.tolist()]
     gold, eos, grammatical, repeats = zip(*map(judge, words))
     return {"gold/score": float(np.mean(gold)), "gold/eos_rate": float(np.mean(eos)),
             "gold/grammar_rate": float(np.mean(grammatical)),
-            "gold/repeat_rate": float(np.mean([r > 0 for r in repeats])),
+            "gold/repeat_rate": float(np.mean([count > 0 for count in repeats])),
             "gold/distinct_frac": len(set(map(tuple, words))) / len(words)}
 
 
@@ -220,18 +295,29 @@ def random_prompts(n, device):
     return torch.stack([torch.full((n,), BOS), dets, nouns], 1).to(device)
 
 
-# ---------------------------------------------------------------- 2. the model: a tiny GPT with an LM or scalar head
+def encode_sentences(sentences, width, device):
+    """<bos> + the sentence's tokens, right-padded with PAD to `width`."""
+    rows = [[BOS] + [TOKEN[word] for word in sentence] + [PAD] * (width - 1 - len(sentence)) for sentence in sentences]
+    return torch.tensor(rows, device=device)
+
+
+# ---------------------------------------------------------------- the model (stages 2, 4, 5) and sampling
 class Block(nn.Module):
     def __init__(self, d_model, n_heads):
         super().__init__()
-        self.n_heads, self.ln1, self.ln2 = n_heads, nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x, mask):
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, D))
+        batch, length, width = x.shape
+        heads = self.qkv(self.ln1(x)).view(batch, length, 3, self.n_heads, width // self.n_heads)
+        q, k, v = heads.permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, length, width))
         return x + self.mlp(self.ln2(x))
 
 
@@ -244,17 +330,20 @@ class TinyTransformer(nn.Module):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, out_dim=out_dim, d_model=d_model, n_layers=n_layers,
                            n_heads=n_heads, max_len=max_len, banned_tokens=tuple(banned_tokens))
-        self.tok, self.pos = nn.Embedding(vocab_size, d_model), nn.Embedding(max_len, d_model)
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, out_dim)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, out_dim)
         if out_dim == 1:  # OAI's reward head init: N(0, 1/sqrt(d_model + 1)), bias 0
-            nn.init.normal_(self.head.weight, std=1 / math.sqrt(d_model + 1)), nn.init.zeros_(self.head.bias)
+            nn.init.normal_(self.head.weight, std=1 / math.sqrt(d_model + 1))
+            nn.init.zeros_(self.head.bias)
         banned = torch.isin(torch.arange(out_dim), torch.tensor(banned_tokens, dtype=torch.long))
         self.register_buffer("banned", banned)
 
     def forward(self, tokens):
-        real, T = tokens != PAD, tokens.shape[1]
-        ones = torch.ones(T, T, dtype=torch.bool, device=tokens.device)
+        real = tokens != PAD
+        ones = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device)
         mask = (ones.tril() & (real[:, None, :] | ones.diag().diag()))[:, None]  # a PAD query sees itself only
         x = self.tok(tokens) + self.pos((real.cumsum(1) - 1).clamp(min=0))
         for block in self.blocks:
@@ -269,17 +358,19 @@ def make_model(args, out_dim):
                            PROMPT_LEN + args.max_response_len, banned_tokens=(PAD, BOS) if out_dim > 1 else ())
 
 
-# ---------------------------------------------------------------- 3. the algorithm's pure pieces
 @torch.no_grad()
 def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD):
     """Pure ancestral sampling at `temperature` (no top-k / top-p). A row stops at its first EOS and is padded
     with PAD. Returns responses (B, max_new_tokens) and the log-probs of the sampled tokens."""
-    tokens, done, logprobs = queries, torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
+    tokens = queries
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    logprobs = []
     for _ in range(max_new_tokens):
         logp = F.log_softmax(policy(tokens)[:, -1] / temperature, -1)
-        nxt = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_id)
-        logprobs.append(logp.gather(1, nxt[:, None]).squeeze(1).masked_fill(done, 0.0))
-        tokens, done = torch.cat([tokens, nxt[:, None]], 1), done | (nxt == eos_id)
+        next_token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_id)
+        logprobs.append(logp.gather(1, next_token[:, None]).squeeze(1).masked_fill(done, 0.0))
+        tokens = torch.cat([tokens, next_token[:, None]], 1)
+        done = done | (next_token == eos_id)
         if done.all():
             break
     pad = max_new_tokens - len(logprobs)
@@ -289,13 +380,9 @@ def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD)
 def response_logprobs(model, queries, responses, temperature):
     """log pi(y_t | x, y_<t) of each response token and the full log-softmax, with the logits divided by the
     sampling temperature. The logits at position t predict token t + 1, hence the shift."""
-    all_logp = F.log_softmax(model(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] / temperature, -1)
+    logits = model(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1]
+    all_logp = F.log_softmax(logits / temperature, -1)
     return all_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1), all_logp
-
-
-def response_values(critic, queries, responses):
-    """V(x, y_<t), read at the same position as the logits that chose y_t."""
-    return critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1]
 
 
 def response_mask(responses, eos_id=EOS):
@@ -304,6 +391,67 @@ def response_mask(responses, eos_id=EOS):
     return ((is_eos.cumsum(1) - is_eos) == 0).float()
 
 
+# ---------------------------------------------------------------- 2. SFT
+def lm_loss(model, tokens):
+    """Next-token cross-entropy, the negative of log pi(x) per token: SFT's loss and PPO-ptx's pretraining term.
+    PAD targets are ignored; the EOS target is kept, so the model learns to stop."""
+    return F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:], ignore_index=PAD)
+
+
+def train_sft(args, corpus_tokens, device, log, interrupted=()):
+    """SFT on the corpus. Returns None if `interrupted` (Ctrl-C / SIGTERM) stopped it before the last step."""
+    model = make_model(args, len(VOCAB)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr)
+    for step in range(args.sft_steps):
+        if interrupted:
+            return None
+        optimizer.param_groups[0]["lr"] = args.sft_lr * (1 - step / args.sft_steps)
+        loss = lm_loss(model, corpus_tokens[torch.randint(0, len(corpus_tokens), (SFT_BATCH_SIZE,), device=device)])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % max(1, args.sft_steps // 5) == 0:
+            log({"stage": "sft", "step": step + 1, "sft/loss": loss.item()},
+                f"sft step {step + 1}/{args.sft_steps} | loss {loss.item():.3f}")
+    return model
+
+
+# ---------------------------------------------------------------- 3. preference pairs
+@torch.no_grad()
+def make_preference_pairs(args, sft, device):
+    """Two SFT samples (temperature 1) per prompt, labelled "a over b" with p = sigmoid((r*(a) - r*(b)) / tau).
+    Pairs with a sample lacking EOS are dropped: the RM score is defined at EOS (missing EOS -> fixed penalty)."""
+    queries = random_prompts(args.num_pairs, device).repeat_interleave(2, 0)
+    responses = sample(sft, queries, args.max_response_len, 1.0)[0]
+    tokens = torch.cat([queries, responses], 1).view(args.num_pairs, 2, -1)
+    gold = torch.tensor([judge(decode(row))[0] for row in responses.tolist()]).view(-1, 2)
+    keep = (responses == EOS).any(1).view(-1, 2).all(1).cpu()
+    tokens = tokens[keep.to(device)]
+    gold = gold[keep]
+    p_first = torch.sigmoid((gold[:, 0] - gold[:, 1]) / args.label_noise)
+    first_wins = torch.rand(len(gold)) < p_first
+    chosen = torch.where(first_wins.to(device)[:, None], tokens[:, 0], tokens[:, 1])
+    rejected = torch.where(first_wins.to(device)[:, None], tokens[:, 1], tokens[:, 0])
+    gold_margin = torch.where(first_wins, 1.0, -1.0) * (gold[:, 0] - gold[:, 1])  # > 0: gold agrees with the label
+    return chosen, rejected, gold_margin, torch.maximum(p_first, 1 - p_first)
+
+
+def split_by_sentence(chosen, rejected, heldout_frac):
+    """Held-out pairs: a random heldout_frac of all pairs, so they are a fair sample of the pair distribution.
+    Training pairs: the others, except those that share a sentence (prompt + response) with a held-out pair, so
+    held-out accuracy is measured on sentences the RM never saw. Returns train, held-out and dropped indices."""
+    order = torch.randperm(len(chosen), device=chosen.device)
+    n_heldout = max(1, int(len(chosen) * heldout_frac))
+    heldout = order[:n_heldout]
+    heldout_sentences = set(map(tuple, torch.cat([chosen[heldout], rejected[heldout]]).tolist()))
+    rest = order[n_heldout:]
+    unseen = [tuple(chosen_row) not in heldout_sentences and tuple(rejected_row) not in heldout_sentences
+              for chosen_row, rejected_row in zip(chosen[rest].tolist(), rejected[rest].tolist())]
+    unseen = torch.tensor(unseen, dtype=torch.bool, device=chosen.device)
+    return rest[unseen], heldout, rest[~unseen]
+
+
+# ---------------------------------------------------------------- 4. the reward model
 def score_at_eos(per_token_scores, tokens, eos_id=EOS):
     """The RM score is the scalar at each row's first EOS token (as N+): not the last position (a PAD when
     right-padded), not one step after EOS. Rows without EOS read position 0; callers replace them (EOS trick)."""
@@ -311,14 +459,89 @@ def score_at_eos(per_token_scores, tokens, eos_id=EOS):
 
 
 def bradley_terry_loss(r_chosen, r_rejected):
-    """-log sigma(r_chosen - r_rejected): negative log-likelihood of the labeller's choice under Bradley-Terry."""
+    """InstructGPT Eq. 1 with K = 2 responses per prompt: -log sigma(r(x, y_w) - r(x, y_l)), the negative
+    log-likelihood of the labeller's choice under Bradley-Terry."""
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
+def train_reward_model(args, sft, pairs, device, log, interrupted=()):
+    """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Logs the held-out loss and
+    accuracy after every epoch. Returns the RM and its numbers, or None, None if `interrupted` stopped it."""
+    chosen, rejected, gold_margin, p_label = pairs
+    train_idx, heldout_idx, dropped_idx = split_by_sentence(chosen, rejected, HELDOUT_FRAC)
+    if len(train_idx) < 1:
+        raise SystemExit(f"error: --num-pairs {args.num_pairs} left no training pair for the reward model (pairs "
+                         f"with EOS: {len(chosen)}); use more pairs or more --sft-steps")
+    rm = TinyTransformer(**{**sft.config, "out_dim": 1, "banned_tokens": ()}).to(device)  # the SFT's architecture
+    body = {key: value for key, value in sft.state_dict().items() if not key.startswith("head") and key != "banned"}
+    rm.load_state_dict(body, strict=False)
+    optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
+    reward = lambda tokens: score_at_eos(rm(tokens), tokens)
+    total_steps = args.rm_epochs * math.ceil(len(train_idx) / RM_BATCH_SIZE)
+    step = 0
+    for epoch in range(1, args.rm_epochs + 1):
+        losses = []
+        for batch_idx in train_idx[torch.randperm(len(train_idx), device=device)].split(RM_BATCH_SIZE):
+            if interrupted:
+                return None, None
+            optimizer.param_groups[0]["lr"] = args.rm_lr * (1 - step / total_steps)
+            loss = bradley_terry_loss(reward(chosen[batch_idx]), reward(rejected[batch_idx]))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            step += 1
+        with torch.no_grad():
+            r_chosen = reward(chosen[heldout_idx])
+            r_rejected = reward(rejected[heldout_idx])
+            right = (r_chosen > r_rejected).cpu()
+            informative = gold_margin[heldout_idx.cpu()] != 0  # a gold tie has no right order
+            heldout = {"rm/loss": float(np.mean(losses)),
+                       "rm/heldout_loss": bradley_terry_loss(r_chosen, r_rejected).item(),
+                       "rm/heldout_acc": float(right.float().mean()),
+                       "rm/heldout_acc_gold": float((right == (gold_margin[heldout_idx.cpu()] > 0))[informative]
+                                                    .float().mean())}
+        log({"stage": "rm", "epoch": epoch, **heldout},
+            f"rm epoch {epoch}/{args.rm_epochs} | loss {heldout['rm/loss']:.3f} | held-out loss "
+            f"{heldout['rm/heldout_loss']:.3f} | held-out accuracy {heldout['rm/heldout_acc']:.3f}")
+    with torch.no_grad():
+        # Normalise to mean 0 / std 1 on 512 samples of the PPO initial policy (OAI's gain and bias; N+ uses the
+        # bias only): beta then means the same thing whatever scale this RM happened to learn.
+        queries = random_prompts(512, device)
+        responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
+        raw = reward(torch.cat([queries, responses], 1)[(responses == EOS).any(1)])
+    info = {"rm/label_ceiling": float(p_label[heldout_idx.cpu()].mean()), "rm/train_pairs": len(train_idx),
+            "rm/heldout_pairs": len(heldout_idx), "rm/dropped_pairs": len(dropped_idx), "rm/bias": float(raw.mean()),
+            "rm/gain": float(raw.std()), "rm/epochs": args.rm_epochs}
+    log({"stage": "rm", "epoch": args.rm_epochs, **info})
+    return rm, {**heldout, **info}
+
+
+@torch.no_grad()
+def proxy_score(rm, rm_info, missing_eos_penalty, queries, responses):
+    """The reward r_theta(x, y) of InstructGPT Eq. 2: the RM's score at EOS, normalised with rm/bias and rm/gain;
+    a response without EOS gets the fixed missing_eos_penalty instead (the EOS trick of OAI and N+)."""
+    tokens = torch.cat([queries, responses], 1)
+    score = (score_at_eos(rm(tokens), tokens) - rm_info["rm/bias"]) / rm_info["rm/gain"]
+    return torch.where((responses == EOS).any(1), score, torch.full_like(score, missing_eos_penalty))
+
+
+def critic_from_reward_model(rm, rm_info):
+    """The critic starts as the RM (Stiennon et al.; N+ detail 22) with the normalisation folded into its head, so
+    its first values are on the reward's scale."""
+    critic = copy.deepcopy(rm).requires_grad_(True)
+    with torch.no_grad():
+        critic.head.bias.sub_(rm_info["rm/bias"]).div_(rm_info["rm/gain"])
+        critic.head.weight.div_(rm_info["rm/gain"])
+    return critic
+
+
+# ---------------------------------------------------------------- 5. PPO
 def kl_estimate(logp, ref_logp, estimator="k1"):
     """Per-token KL(pi || pi_ref) estimates from tokens sampled from pi (Schulman, "Approximating KL"): k1 = log pi -
     log pi_ref, unbiased but negative for some tokens; k3 = (r - 1) - log r with r = pi_ref / pi, unbiased, never
-    negative, lower variance."""
+    negative, lower variance. Unbiased VALUES; as a reward only k1 also has the right policy GRADIENT: E_pi[k3 grad
+    log pi] = grad KL(pi || pi_ref) - grad KL(pi_ref || pi) (see --kl-estimator)."""
     log_r = ref_logp - logp
     return -log_r if estimator == "k1" else log_r.exp() - 1 - log_r
 
@@ -327,17 +550,31 @@ def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum()
 
 
+def masked_var(x, mask):
+    """Population variance (as TF) over the unmasked entries."""
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+
 def whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / sqrt(var + eps) over unmasked entries with the population variance, as TF; shift_mean=False
     adds the mean back (OAI does that for rewards)."""
     mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_mean((x - mean) ** 2, mask) + eps)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
     return whitened if shift_mean else whitened + mean
 
 
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the returns, 0 = no
+    better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's explained_variance)."""
+    returns_var = masked_var(returns, mask)
+    return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
+
+
 def per_token_rewards(kl, scores, mask, beta):
-    """r_t = -beta * KL_t on every response token, plus the sequence score on the last one (the EOS token, or
-    the final token when there is none): Ziegler et al.'s R(x, y) - beta log(pi/pi_ref) spread over tokens."""
+    """InstructGPT Eq. 2 (without ptx) spread over tokens, as Ziegler et al.: r_t = -beta * KL_t on every response
+    token, plus the score r_theta(x, y) on the last one (the EOS token, or the final token when there is none).
+    Summed over tokens: r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x)) with k1. This penalty is the leash to
+    pi_ref, the SFT model; PPO's clip (ppo_losses) is a different leash, to pi_old."""
     rewards = -beta * kl * mask
     rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores
     return rewards
@@ -346,10 +583,13 @@ def per_token_rewards(kl, scores, mask, beta):
 def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over response tokens: delta_t = r_t +
     gamma V_{t+1} - V_t with V = 0 after the last token; A_t = delta_t + gamma lam A_{t+1}; returns = A + V."""
-    rewards, values = rewards * mask, values * mask
-    advantages, running, T = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0]), rewards.shape[1]
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else 0.0
+    rewards = rewards * mask
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    length = rewards.shape[1]
+    for t in reversed(range(length)):
+        next_value = values[:, t + 1] if t + 1 < length else 0.0
         running = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
         advantages[:, t] = running
     return advantages * mask, (advantages + values) * mask
@@ -357,12 +597,16 @@ def gae(rewards, values, mask, gamma, lam):
 
 def ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, clip_coef, clip_coef_value):
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) and the clipped value loss of OAI / N+, masked
-    means over response tokens. Returns (policy loss, value loss, diagnostics)."""
+    means over response tokens. The ratio is pi / pi_old, pi_old being the policy that sampled this batch: the
+    clip is a trust region for one iteration, while the KL penalty in the rewards (per_token_rewards) holds pi
+    near pi_ref = the SFT model for the whole run. Returns (policy loss, value loss, diagnostics)."""
     log_ratio = (logp - old_logp) * mask
     ratio = log_ratio.exp()
-    pg_unclipped, pg_clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)
     values_clipped = old_values + (values - old_values).clamp(-clip_coef_value, clip_coef_value)
-    vf_unclipped, vf_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    vf_unclipped = (values - returns) ** 2
+    vf_clipped = (values_clipped - returns) ** 2
     stats = {"ratio": masked_mean(ratio, mask), "approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
              "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
              "vf_clipfrac": masked_mean((vf_clipped > vf_unclipped).float(), mask)}
@@ -375,17 +619,6 @@ def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
     return beta * (1 + float(np.clip(kl / target - 1, -0.2, 0.2)) * n_steps / horizon)
 
 
-def best_of_n_kl_bound(n):
-    """KL(best-of-n || base) <= log n - (n - 1)/n (Stiennon et al. App. G.3; an upper bound, Beirami et al. 2024)."""
-    return math.log(n) - (n - 1) / n
-
-
-def best_of_n_weights(m, n):
-    """P(the i-th lowest-scored of m samples is the best of a uniformly random n-subset) = C(i-1, n-1) / C(m, n):
-    weighting a sorted pool by these gives an unbiased best-of-n estimate that uses every sample."""
-    return torch.tensor([math.comb(i - 1, n - 1) / math.comb(m, n) for i in range(1, m + 1)], dtype=torch.float64)
-
-
 @torch.no_grad()
 def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id=EOS, pad_id=PAD):
     """Sample responses, score them, and turn the scores into per-token rewards, advantages and returns."""
@@ -394,7 +627,8 @@ def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, e
     # log-probs recomputed by a plain forward (as OAI); a test checks they equal the sampling ones
     logp = response_logprobs(policy, queries, responses, args.temperature)[0] * mask
     ref_logp = response_logprobs(ref_policy, queries, responses, args.temperature)[0] * mask
-    values, scores = response_values(critic, queries, responses) * mask, score_fn(queries, responses)
+    values = critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] * mask  # V(x, y_<t)
+    scores = score_fn(queries, responses)
     kl = kl_estimate(logp, ref_logp, args.kl_estimator) * mask
     rewards = per_token_rewards(kl, scores, mask, beta)
     if args.whiten_rewards:
@@ -402,359 +636,540 @@ def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, e
     advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
     advantages = whiten(advantages, mask) * mask  # advantages are whitened with re-centring (OAI)
     return dict(queries=queries, responses=responses, mask=mask, logp=logp, ref_logp=ref_logp, values=values,
-                scores=scores, kl=kl, advantages=advantages, returns=returns)
+                scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns)
 
 
-def ppo_update(policy, critic, optimizer, batch, args):
-    """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics dict each."""
-    n, stats, params = len(batch["queries"]), [], [p for g in optimizer.param_groups for p in g["params"]]
+def ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn=None):
+    """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics dict each.
+    With args.ptx_coef > 0 each minibatch loss adds gamma * lm_loss on pretrain_batch_fn(n) corpus sentences:
+    PPO-ptx, the last term of InstructGPT Eq. 2 (gamma E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
+    n_sequences = len(batch["queries"])
+    stats = []
+    params = [param for group in optimizer.param_groups for param in group["params"]]
     for _ in range(args.ppo_epochs):
-        for idx in torch.randperm(n, device=batch["queries"].device).split(n // args.num_minibatches):
-            b = {k: v[idx] for k, v in batch.items()}
-            logp, all_logp = response_logprobs(policy, b["queries"], b["responses"], args.temperature)
-            values = response_values(critic, b["queries"], b["responses"])
-            pg_loss, vf_loss, s = ppo_losses(logp * b["mask"], b["logp"], b["advantages"], values, b["values"],
-                                             b["returns"], b["mask"], args.clip_coef, args.clip_coef_value)
+        order = torch.randperm(n_sequences, device=batch["queries"].device)
+        for idx in order.split(n_sequences // args.num_minibatches):
+            minibatch = {key: value[idx] for key, value in batch.items()}
+            logp, all_logp = response_logprobs(policy, minibatch["queries"], minibatch["responses"], args.temperature)
+            values = critic(torch.cat([minibatch["queries"], minibatch["responses"]], 1))
+            values = values[:, minibatch["queries"].shape[1] - 1: -1]
+            pg_loss, vf_loss, minibatch_stats = ppo_losses(
+                logp * minibatch["mask"], minibatch["logp"], minibatch["advantages"], values, minibatch["values"],
+                minibatch["returns"], minibatch["mask"], args.clip_coef, args.clip_coef_value)
+            loss = pg_loss + args.vf_coef * vf_loss
+            if args.ptx_coef > 0:
+                ptx_loss = lm_loss(policy, pretrain_batch_fn(PTX_SENTENCES_PER_EPISODE * len(idx)))
+                loss = loss + args.ptx_coef * ptx_loss
+                minibatch_stats["ptx_loss"] = ptx_loss
             optimizer.zero_grad()
-            (pg_loss + args.vf_coef * vf_loss).backward()
+            loss.backward()
             nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
-            entropy = masked_mean(-(all_logp.exp() * all_logp).sum(-1), b["mask"])
-            s.update(pg_loss=pg_loss, vf_loss=vf_loss, entropy=entropy)
-            stats.append({k: v.item() for k, v in s.items()})
+            entropy = masked_mean(-(all_logp.exp() * all_logp).sum(-1), minibatch["mask"])
+            minibatch_stats.update(pg_loss=pg_loss, vf_loss=vf_loss, entropy=entropy)
+            stats.append({key: value.item() for key, value in minibatch_stats.items()})
     return stats
 
 
 def run_ppo(args, beta, policy, ref_policy, critic, score_fn, prompt_fn, eval_fn=None, log=None, eos_id=EOS,
-            pad_id=PAD):
+            pad_id=PAD, pretrain_batch_fn=None, interrupted=()):
     """PPO against score_fn with a KL leash to ref_policy. Generic over the models (token ids -> logits or
-    values) and the reward: the tests run it on an enumerable task. Returns one metrics dict per iteration."""
+    values) and the reward: the tests run it on an enumerable task. Returns one metrics dict per iteration; stops
+    early when `interrupted` is set (Ctrl-C / SIGTERM), after the iteration at hand."""
     # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far larger in the
     # first steps, so PyTorch's early updates are bigger (~6x approxkl in lm-human-preference-details).
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=args.ppo_lr, eps=1e-5)
-    history, start = [], time.time()
+    history = []
+    start = time.time()
     for iteration in range(1, args.ppo_iterations + 1):
+        if interrupted:
+            break
         lr = args.ppo_lr * (1 - (iteration - 1) / args.ppo_iterations)  # linear decay to 0 (as OAI)
         optimizer.param_groups[0]["lr"] = lr
         queries = prompt_fn(args.rollout_batch_size)
         batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id, pad_id)
-        stats = ppo_update(policy, critic, optimizer, batch, args)
-        mean = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-        seq = lambda x: float((x * batch["mask"]).sum(1).mean())  # mean over sequences of a per-token sum
-        episodes, score, kl = iteration * args.rollout_batch_size, float(batch["scores"].mean()), seq(batch["kl"])
-        m = {"stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes / (time.time() - start),
-             "objective/kl": seq(batch["logp"] - batch["ref_logp"]),
-             "objective/kl_k3": seq(kl_estimate(batch["logp"], batch["ref_logp"], "k3")),
-             "objective/entropy": seq(-batch["logp"]), "objective/kl_coef": beta, "objective/scores": score,
-             "objective/non_score_reward": -beta * kl, "objective/rlhf_reward": score - beta * kl,
-             "policy/approxkl_avg": mean["approxkl"], "policy/clipfrac_avg": mean["clipfrac"],
-             "policy/entropy_avg": mean["entropy"], "loss/policy_avg": mean["pg_loss"],
-             "loss/value_avg": mean["vf_loss"], "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
-             "val/ratio_var": float(np.var([s["ratio"] for s in stats])),
-             "val/num_eos_tokens": int((batch["responses"] == eos_id).sum()),
-             **(eval_fn(batch, iteration) if eval_fn else {})}
+        stats = ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn)
+        mean = {key: float(np.mean([minibatch[key] for minibatch in stats])) for key in stats[0]}
+        per_sequence = lambda x: float((x * batch["mask"]).sum(1).mean())  # mean over sequences of a per-token sum
+        episodes = iteration * args.rollout_batch_size
+        score = float(batch["scores"].mean())
+        penalty_kl = per_sequence(batch["kl"])
+        record = {
+            "stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes / (time.time() - start),
+            "objective/kl": per_sequence(batch["logp"] - batch["ref_logp"]),
+            "objective/kl_k3": per_sequence(kl_estimate(batch["logp"], batch["ref_logp"], "k3")),
+            "objective/entropy": per_sequence(-batch["logp"]), "objective/kl_coef": beta,
+            "objective/scores": score, "objective/non_score_reward": -beta * penalty_kl,
+            "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
+            "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
+            "loss/policy_avg": mean["pg_loss"], "loss/value_avg": mean["vf_loss"],
+            **({"loss/ptx_avg": mean["ptx_loss"]} if "ptx_loss" in mean else {}),
+            "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
+            "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
+            "val/var_explained": explained_variance(batch["values"], batch["returns"], batch["mask"]),
+            "val/num_eos_tokens": int((batch["responses"] == eos_id).sum()),
+            "ppo/returns/mean": float(masked_mean(batch["returns"], batch["mask"])),
+            "ppo/returns/var": float(masked_var(batch["returns"], batch["mask"])),
+            **(eval_fn(batch, iteration) if eval_fn else {})}
         if args.adaptive_kl:
-            beta = adaptive_kl_beta(beta, m["objective/kl"], args.kl_target, args.rollout_batch_size, args.kl_horizon)
-        history.append(m)
+            beta = adaptive_kl_beta(beta, record["objective/kl"], args.kl_target, args.rollout_batch_size,
+                                    args.kl_horizon)
+        history.append(record)
         if log is not None:
             eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
-            log(m, f"ppo beta={m['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
-                   f"{m['eps']:.0f} eps | ETA {eta:.0f}s | kl {m['objective/kl']:.2f} | proxy {score:+.2f} | "
-                   f"gold {m.get('gold/score', math.nan):+.2f} | ent {m['objective/entropy']:.2f} | "
-                   f"clipfrac {m['policy/clipfrac_avg']:.3f} | ratio {m['val/ratio']:.3f}")
+            log(record, f"ppo beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
+                        f"{record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | proxy "
+                        f"{score:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
+                        f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
+                        f"ratio {record['val/ratio']:.3f}")
     return history
 
 
-# ---------------------------------------------------------------- 4. plumbing: validation, logging, checkpoints
-def validate_args(args):
-    positive = ["corpus_size", "num_pairs", "label_noise", "d_model", "n_layers", "n_heads", "sft_steps",
-                "rm_epochs", "ppo_iterations", "rollout_batch_size", "num_minibatches", "ppo_epochs",
-                "temperature", "kl_target", "kl_horizon", "eval_samples", "threads"]
-    checks = [(getattr(args, f) > 0, f"--{f.replace('_', '-')} {getattr(args, f)} must be > 0") for f in positive] + [
-        (args.rollout_batch_size % args.num_minibatches == 0 and args.rollout_batch_size // args.num_minibatches >= 8,
-         f"--num-minibatches {args.num_minibatches} must split --rollout-batch-size {args.rollout_batch_size} "
-         "into equal minibatches of >= 8 sequences (whitening needs them)"),
-        (args.d_model % args.n_heads == 0, f"--n-heads {args.n_heads} must divide --d-model {args.d_model}"),
-        (args.max_response_len >= 6, f"--max-response-len {args.max_response_len} must be >= 6 (shortest sentence: 3)"),
-        (args.beta >= 0, f"--beta {args.beta} must be >= 0"),
-        (len(args.sweep_betas) > 0 and min(args.sweep_betas) >= 0, f"--sweep-betas {args.sweep_betas} must be >= 0"),
-        (args.bon_pool >= 2, f"--bon-pool {args.bon_pool} must be >= 2"),
-        (args.load_rm is None or args.load_sft is not None,
-         f"--load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the critic refer to that SFT policy"),
-    ] + [(p is None or os.path.isfile(p), f"--load-{k} {p}: no such file") for k, p in (("sft", args.load_sft),
-                                                                                         ("rm", args.load_rm))]
-    for ok, message in checks:
-        if not ok:
-            raise SystemExit(f"error: {message}")
-    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know every token and
-    # have a position embedding for every position the other flags will feed it.
-    for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
-        config = torch.load(path, map_location="cpu")["config"] if path else {}
-        if config and (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
-            raise SystemExit(f"error: {flag} {path} is not a {'policy' if out_dim > 1 else 'reward model'} over the "
-                             f"{len(VOCAB)} tokens of this language (vocabulary {config['vocab_size']}, "
-                             f"output size {config['out_dim']})")
-        if config and config["max_len"] < PROMPT_LEN + args.max_response_len:
-            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} {path} "
-                             f"supports; use at most {config['max_len'] - PROMPT_LEN}")
+def rollout_stats(batch, iteration):
+    """The toy's own metrics of a PPO iteration, on the rollout batch itself: proxy and gold scores, the gates,
+    and every SAMPLE_EVERY iterations a few sample texts (printed too)."""
+    stats = {"proxy/score": float(batch["scores"].mean()), **language_stats(batch["responses"])}
+    if iteration % SAMPLE_EVERY == 0:
+        texts = torch.cat([batch["queries"], batch["responses"]], 1)[:3].tolist()
+        stats["samples"] = [" ".join(decode(row)) for row in texts]
+        print("    " + "\n    ".join(stats["samples"]))
+    return stats
 
 
-class Logger:
-    """One record per call: runs/{run_name}/metrics.jsonl, an optional console line, and wandb with --track."""
-
-    def __init__(self, args, run_dir, run_name):
-        self.file, self.wandb, self.step = open(os.path.join(run_dir, "metrics.jsonl"), "a"), None, 0
-        if args.track:
-            import wandb  # slow to import: only when asked
-            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
-                                    name=run_name, config=vars(args), dir=run_dir)
-
-    def __call__(self, record, line=None):
-        self.file.write(json.dumps(record) + "\n"), self.file.flush()
-        if self.wandb is not None:  # step = record count: monotonic across the runs of a sweep
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=self.step)
-        self.step += 1
-        if line is not None:
-            print(line, flush=True)
-
-    def close(self):
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def save_checkpoint(path, model, **extra):
-    torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
-
-
-def load_checkpoint(path, device):
-    checkpoint = torch.load(path, map_location=device)
-    model = TinyTransformer(**checkpoint["config"]).to(device)
-    model.load_state_dict(checkpoint["state_dict"])
-    return model, checkpoint
-
-
-# ---------------------------------------------------------------- 5. the stages
-def train_sft(args, corpus, device, log):
-    """Next-token cross-entropy on the corpus; PAD targets are ignored, the EOS target is kept."""
-    model = make_model(args, len(VOCAB)).to(device)
-    width = PROMPT_LEN + args.max_response_len
-    data = torch.tensor([[BOS] + [TOKEN[w] for w in s] + [PAD] * (width - 1 - len(s)) for s in corpus], device=device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr)
-    for step in range(args.sft_steps):
-        optimizer.param_groups[0]["lr"] = args.sft_lr * (1 - step / args.sft_steps)
-        tokens = data[torch.randint(0, len(data), (SFT_BATCH_SIZE,), device=device)]
-        loss = F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:], ignore_index=PAD)
-        optimizer.zero_grad(), loss.backward(), optimizer.step()
-        if (step + 1) % max(1, args.sft_steps // 5) == 0:
-            log({"stage": "sft", "step": step + 1, "sft/loss": loss.item()},
-                f"sft step {step + 1}/{args.sft_steps} | loss {loss.item():.3f}")
-    return model
-
-
-@torch.no_grad()
-def make_preference_pairs(args, sft, device):
-    """Two SFT samples (temperature 1) per prompt, labelled "a over b" with p = sigmoid((r*(a) - r*(b)) / tau).
-    Pairs with a sample lacking EOS are dropped: the RM score is defined at EOS (missing EOS -> fixed penalty)."""
-    queries = random_prompts(args.num_pairs, device).repeat_interleave(2, 0)
-    responses = sample(sft, queries, args.max_response_len, 1.0)[0]
-    tokens = torch.cat([queries, responses], 1).view(args.num_pairs, 2, -1)
-    gold = torch.tensor([judge(decode(r))[0] for r in responses.tolist()]).view(-1, 2)
-    keep = (responses == EOS).any(1).view(-1, 2).all(1).cpu()
-    tokens, gold = tokens[keep.to(device)], gold[keep]
-    p_first = torch.sigmoid((gold[:, 0] - gold[:, 1]) / args.label_noise)
-    first_wins = torch.rand(len(gold)) < p_first
-    chosen, rejected = [torch.where(first_wins.to(device)[:, None], tokens[:, i], tokens[:, 1 - i]) for i in (0, 1)]
-    gold_margin = torch.where(first_wins, 1.0, -1.0) * (gold[:, 0] - gold[:, 1])  # > 0: gold agrees with the label
-    return chosen, rejected, gold_margin, torch.maximum(p_first, 1 - p_first)
-
-
-def train_reward_model(args, sft, pairs, device, log):
-    """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Returns the RM and its stats."""
-    chosen, rejected, gold_margin, p_label = pairs
-    n_train = len(chosen) - max(1, int(len(chosen) * HELDOUT_FRAC))
-    rm = TinyTransformer(**{**sft.config, "out_dim": 1, "banned_tokens": ()}).to(device)  # the SFT's architecture
-    body = {k: v for k, v in sft.state_dict().items() if not k.startswith("head") and k != "banned"}
-    rm.load_state_dict(body, strict=False)
-    optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
-    reward = lambda tokens: score_at_eos(rm(tokens), tokens)
-    total, step = args.rm_epochs * math.ceil(n_train / RM_BATCH_SIZE), 0
-    for epoch in range(args.rm_epochs):
-        for idx in torch.randperm(n_train, device=device).split(RM_BATCH_SIZE):
-            optimizer.param_groups[0]["lr"] = args.rm_lr * (1 - step / total)
-            loss = bradley_terry_loss(reward(chosen[idx]), reward(rejected[idx]))
-            optimizer.zero_grad(), loss.backward(), optimizer.step()
-            step += 1
-        log({"stage": "rm", "epoch": epoch + 1, "rm/loss": loss.item()},
-            f"rm epoch {epoch + 1}/{args.rm_epochs} | loss {loss.item():.3f}")
-    with torch.no_grad():
-        right = (reward(chosen[n_train:]) > reward(rejected[n_train:])).cpu()
-        informative = gold_margin[n_train:] != 0  # a gold tie has no right order
-        info = {"rm/heldout_acc": float(right.float().mean()),
-                "rm/heldout_acc_gold": float((right == (gold_margin[n_train:] > 0))[informative].float().mean()),
-                "rm/label_ceiling": float(p_label[n_train:].mean()), "rm/train_pairs": n_train,
-                "rm/heldout_pairs": len(chosen) - n_train}
-        # Normalise to mean 0 / std 1 on 512 samples of the PPO initial policy (OAI's gain and bias; N+ uses the
-        # bias only): beta then means the same thing whatever scale this RM happened to learn.
-        queries = random_prompts(512, device)
-        responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
-        raw = reward(torch.cat([queries, responses], 1)[(responses == EOS).any(1)])
-        info.update({"rm/bias": float(raw.mean()), "rm/gain": float(raw.std())})
-    return rm, info
-
-
+# ---------------------------------------------------------------- 6. evaluation
 @torch.no_grad()
 def evaluate(args, policy, ref_policy, score_fn, device):
     """Fresh samples at the training temperature: proxy and gold scores, gates, and the summed k1 KL."""
     queries = random_prompts(args.eval_samples, device)
     responses = sample(policy, queries, args.max_response_len, args.temperature)[0]
-    logp, ref_logp = (response_logprobs(m, queries, responses, args.temperature)[0] for m in (policy, ref_policy))
+    logp = response_logprobs(policy, queries, responses, args.temperature)[0]
+    ref_logp = response_logprobs(ref_policy, queries, responses, args.temperature)[0]
     kl = float(((logp - ref_logp) * response_mask(responses)).sum(1).mean())
-    samples = [" ".join(decode(r)) for r in torch.cat([queries, responses], 1)[:4].tolist()]
+    samples = [" ".join(decode(row)) for row in torch.cat([queries, responses], 1)[:4].tolist()]
     return {"proxy/score": float(score_fn(queries, responses).mean()), "objective/kl": kl,
             **language_stats(responses), "samples": samples}
+
+
+def best_of_n_kl_bound(n):
+    """KL(best-of-n || base) <= log n - (n - 1)/n (Stiennon et al. App. G.3; an upper bound, Beirami et al. 2024)."""
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_weights(pool_size, n):
+    """P(the i-th lowest-scored of pool_size samples is the best of a uniformly random n-subset) = C(i-1, n-1) /
+    C(pool_size, n): weighting a sorted pool by these gives an unbiased best-of-n estimate using every sample."""
+    return torch.tensor([math.comb(i - 1, n - 1) / math.comb(pool_size, n) for i in range(1, pool_size + 1)],
+                        dtype=torch.float64)
 
 
 @torch.no_grad()
 def best_of_n(args, sft, score_fn, device):
     """Best-of-n from the SFT policy, n = 1, 2, 4, ... <= bon_pool, estimated from a pool of bon_pool samples for
     each of 32 prompts (best_of_n_weights). Its KL to the SFT policy is quoted by the upper bound log n - (n-1)/n."""
-    m = args.bon_pool
-    queries = random_prompts(32, device).repeat_interleave(m, 0)
+    pool_size = args.bon_pool
+    queries = random_prompts(32, device).repeat_interleave(pool_size, 0)
     responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
-    proxy = score_fn(queries, responses).view(-1, m).cpu().double()
-    gold = torch.tensor([judge(decode(r))[0] for r in responses.tolist()], dtype=torch.float64).view(-1, m)
+    proxy = score_fn(queries, responses).view(-1, pool_size).cpu().double()
+    gold = torch.tensor([judge(decode(row))[0] for row in responses.tolist()], dtype=torch.float64)
     order = proxy.argsort(1)
-    proxy, gold = proxy.gather(1, order), gold.gather(1, order)
-    weights = {2 ** k: best_of_n_weights(m, 2 ** k) for k in range(int(math.log2(m)) + 1)}
-    return [{"stage": "bon", "n": n, "kl_bound": best_of_n_kl_bound(n), "proxy/score": float((proxy @ w).mean()),
-             "gold/score": float((gold @ w).mean())} for n, w in weights.items()]
+    proxy = proxy.gather(1, order)
+    gold = gold.view(-1, pool_size).gather(1, order)
+    weights = {2 ** k: best_of_n_weights(pool_size, 2 ** k) for k in range(int(math.log2(pool_size)) + 1)}
+    return [{"stage": "bon", "n": n, "kl_bound": best_of_n_kl_bound(n), "proxy/score": float((proxy @ weight).mean()),
+             "gold/score": float((gold @ weight).mean())} for n, weight in weights.items()]
 
 
-def plot_sweep(histories, bon_rows, path):
+def mean_and_standard_error(values, axis=0):
+    """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); the error is 0 with a single seed."""
+    values = np.asarray(values, dtype=float)
+    seeds = values.shape[axis]
+    spread = values.std(axis=axis, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(axis))
+    return values.mean(axis=axis), spread
+
+
+def moving_average(values, window=SMOOTHING_WINDOW):
+    """Centred moving average over `window` iterations (all of them if fewer): output j is centred on input
+    j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and peaks use this."""
+    window = min(window, len(values))
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def smoothed_peak(histories, key="gold/score", window=SMOOTHING_WINDOW):
+    """Where the seed-mean of the smoothed `key` curves peaks. `histories`: one PPO history per seed (same length).
+    Returns the iteration (1-based, the window's centre), key and KL there, each with its standard error."""
+    window = min(window, len(histories[0]))
+    curves = {name: np.stack([moving_average([record[name] for record in history], window) for history in histories])
+              for name in (key, "objective/kl")}
+    mean, error = mean_and_standard_error(curves[key])
+    peak = int(mean.argmax())
+    kl_mean, kl_error = mean_and_standard_error(curves["objective/kl"])
+    return {"iteration": peak + (window - 1) // 2 + 1, key: float(mean[peak]), f"{key} se": float(error[peak]),
+            "objective/kl": float(kl_mean[peak]), "objective/kl se": float(kl_error[peak])}
+
+
+def plot_sweep(runs, path):
+    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep. `runs` holds one
+    (histories by beta, best-of-n rows) pair per seed. Lines: the mean over seeds of each seed's centred moving
+    average; bands: +- one standard error over seeds (none with one seed)."""
     from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
 
-    smooth = lambda x: np.convolve(x, np.ones(5) / 5, mode="valid")  # 5-iteration moving average of batch means
     fig = Figure(figsize=(17, 4.8))
     axes = fig.subplots(1, 3)
     colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
-    for (beta, h), color in zip(histories.items(), colors):
-        get = lambda key: np.array([x[key] for x in h])
-        sqrt_kl = smooth(np.sqrt(np.maximum(get("objective/kl"), 0)))
+    def curve(beta, key, transform=np.asarray):  # mean and standard error over seeds of the smoothed curves
+        smoothed = [moving_average(transform([record[key] for record in histories[beta]])) for histories, _ in runs]
+        return mean_and_standard_error(smoothed)
+
+    for beta, color in zip(runs[0][0], colors):
+        sqrt_kl = curve(beta, "objective/kl", lambda kl: np.sqrt(np.maximum(kl, 0)))[0]
+        episodes = curve(beta, "episode")[0]
         for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
-            axes[0].plot(sqrt_kl, smooth(get(key)), style, color=color, label=f"PPO beta={beta:g}: {what}")
-            axes[1].plot(smooth(get("episode")), smooth(get(key)), style, color=color)
-        axes[2].plot(get("episode"), get("objective/kl"), color=color, label=f"beta={beta:g}")
+            mean, error = curve(beta, key)
+            axes[0].plot(sqrt_kl, mean, style, color=color, label=f"PPO beta={beta:g}: {what}")
+            axes[0].fill_between(sqrt_kl, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+            axes[1].plot(episodes, mean, style, color=color)
+            axes[1].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+        mean, error = curve(beta, "objective/kl")
+        axes[2].plot(episodes, mean, color=color, label=f"beta={beta:g}")
+        axes[2].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+    bon_rows = runs[0][1]
     for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
+        mean, error = mean_and_standard_error([[row[key] for row in bon] for _, bon in runs])
         label = f"best-of-n (n <= {bon_rows[-1]['n']}): {key.split('/')[0]}, KL upper bound"
-        axes[0].plot([math.sqrt(r["kl_bound"]) for r in bon_rows], [r[key] for r in bon_rows], style, ms=4,
-                     color="tab:red", label=label)
+        axes[0].errorbar([math.sqrt(row["kl_bound"]) for row in bon_rows], mean, yerr=error, fmt=style, ms=4,
+                         color="tab:red", label=label)
+    seeds = f"mean +- SE over {len(runs)} seeds, " if len(runs) > 1 else ""
+    smoothing = f"{seeds}{SMOOTHING_WINDOW}-iteration centred moving average"
     ylabel = "score (solid: hidden gold, dashed: proxy RM)"
     axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
-    axes[1].set(xlabel="episodes", ylabel=ylabel, title="gold and proxy during PPO (5-iteration means)")
+    axes[1].set(xlabel="episodes", ylabel=ylabel, title=f"gold and proxy during PPO\n({smoothing})")
     axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
-    axes[0].legend(fontsize=7), axes[2].legend(fontsize=8), fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110), os.replace(path + ".tmp.png", path)
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
 
 
-# ---------------------------------------------------------------- 6. the story
+def summary_line(name, evaluation):
+    """One line of the final summary, and two sample texts."""
+    return (f"{name:<18} gold {evaluation['gold/score']:+.3f} | proxy {evaluation['proxy/score']:+.3f} | KL "
+            f"{evaluation['objective/kl']:6.2f} | grammar {evaluation['gold/grammar_rate']:.2f} | eos "
+            f"{evaluation['gold/eos_rate']:.2f} | repeats {evaluation['gold/repeat_rate']:.2f} | distinct "
+            f"{evaluation['gold/distinct_frac']:.2f}\n    " + "\n    ".join(evaluation["samples"][:2]))
+
+
+# ---------------------------------------------------------------- plumbing: validation, logging, checkpoints
+# Every numeric flag's allowed range: (test, what the error message says is allowed). validate_args checks them
+# all before anything is allocated; a test tries one bad value for each.
+RANGE_POSITIVE = (lambda value: value > 0, "> 0")
+RANGE_FINITE_POSITIVE = (lambda value: math.isfinite(value) and value > 0, "finite and > 0")
+RANGE_FINITE_NON_NEGATIVE = (lambda value: math.isfinite(value) and value >= 0, "finite and >= 0")
+RANGE_PROBABILITY = (lambda value: 0 <= value <= 1, "in [0, 1]")
+FLAG_RANGES = {
+    "seed": (lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
+    "corpus_size": RANGE_POSITIVE,
+    "max_response_len": (lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens and more)"),
+    "num_pairs": (lambda value: value >= 2, ">= 2 (some pairs are held out)"),
+    "label_noise": RANGE_FINITE_POSITIVE,
+    "d_model": RANGE_POSITIVE,
+    "n_layers": RANGE_POSITIVE,
+    "n_heads": RANGE_POSITIVE,
+    "sft_steps": RANGE_POSITIVE,
+    "sft_lr": RANGE_FINITE_NON_NEGATIVE,
+    "rm_epochs": RANGE_POSITIVE,
+    "rm_lr": RANGE_FINITE_NON_NEGATIVE,
+    "ppo_iterations": RANGE_POSITIVE,
+    "rollout_batch_size": RANGE_POSITIVE,
+    "num_minibatches": RANGE_POSITIVE,
+    "ppo_epochs": RANGE_POSITIVE,
+    "ppo_lr": RANGE_FINITE_NON_NEGATIVE,
+    "max_grad_norm": (lambda value: value > 0, "> 0 (inf: no clipping)"),
+    "temperature": RANGE_FINITE_POSITIVE,
+    "beta": RANGE_FINITE_NON_NEGATIVE,
+    "kl_target": RANGE_FINITE_POSITIVE,
+    "kl_horizon": RANGE_POSITIVE,
+    "clip_coef": RANGE_FINITE_POSITIVE,
+    "clip_coef_value": RANGE_FINITE_POSITIVE,
+    "vf_coef": RANGE_FINITE_NON_NEGATIVE,
+    "gamma": RANGE_PROBABILITY,
+    "lam": RANGE_PROBABILITY,
+    "missing_eos_penalty": (math.isfinite, "finite"),
+    "ptx_coef": RANGE_FINITE_NON_NEGATIVE,
+    "eval_samples": RANGE_POSITIVE,
+    "bon_pool": (lambda value: value >= 2, ">= 2"),
+    "sweep_betas": (lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
+                    "one or more values, each finite and >= 0"),
+    "threads": RANGE_POSITIVE,
+}
+
+
+def validate_args(args):
+    """One-line errors naming the flag, before anything is allocated: every numeric flag's range, the flags that
+    constrain each other, and the checkpoints given to --load-sft / --load-rm."""
+    for name, (allowed, what) in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if not allowed(value):
+            raise SystemExit(f"error: --{name.replace('_', '-')} {value} must be {what}")
+    checks = [
+        (args.rollout_batch_size % args.num_minibatches == 0 and args.rollout_batch_size // args.num_minibatches >= 8,
+         f"--num-minibatches {args.num_minibatches} must split --rollout-batch-size {args.rollout_batch_size} "
+         "into equal minibatches of >= 8 sequences (whitening needs them)"),
+        (args.d_model % args.n_heads == 0, f"--n-heads {args.n_heads} must divide --d-model {args.d_model}"),
+        (args.load_rm is None or args.load_sft is not None,
+         f"--load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the critic refer to that SFT policy"),
+    ] + [(path is None or os.path.isfile(path), f"{flag} {path}: no such file")
+         for flag, path in (("--load-sft", args.load_sft), ("--load-rm", args.load_rm))]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know every token and
+    # have a position embedding for every position the other flags will feed it.
+    for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
+        if path is None:
+            continue
+        checkpoint = load_checkpoint(path, flag, "cpu")[1]
+        config = checkpoint["config"]
+        if (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
+            raise SystemExit(f"error: {flag} {path} is not a {'policy' if out_dim > 1 else 'reward model'} over the "
+                             f"{len(VOCAB)} tokens of this language (vocabulary {config['vocab_size']}, "
+                             f"output size {config['out_dim']})")
+        if config["max_len"] < PROMPT_LEN + args.max_response_len:
+            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} {path} "
+                             f"supports; use at most {config['max_len'] - PROMPT_LEN}")
+        if out_dim == 1 and not {"rm/bias", "rm/gain"} <= set(checkpoint.get("rm_info", {})):
+            raise SystemExit(f"error: {flag} {path} has no rm_info with rm/bias and rm/gain: not a reward model "
+                             "saved by this script's --save-model")
+
+
+class Logger:
+    """One record (a dict with a "stage") per call: a line of runs/{run_name}/metrics.jsonl, the machine-readable
+    record; its numbers as TensorBoard scalars in the same directory (`tensorboard --logdir runs`); an optional
+    console line; and wandb with --track. TensorBoard tags are the metrics.jsonl keys, except that eval, bon and
+    summary records prefix theirs with the stage (eval/gold/score), since those keys repeat PPO's; "samples" become
+    text. Steps: sft = optimizer step, rm = epoch, ppo and eval = episode, bon = n, summary = 0. A sweep writes each
+    beta's ppo and eval records under the subdirectory beta_{beta}, which TensorBoard shows as a run of its own."""
+
+    STEP_KEY = {"sft": "step", "rm": "epoch", "ppo": "episode", "eval": "episode", "bon": "n"}
+
+    def __init__(self, args, run_dir, run_name):
+        self.run_dir = run_dir
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.writers = {}
+        self.record_count = 0
+        self.wandb = None
+        self.writer("").add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))  # as CleanRL
+        if args.track:
+            import wandb  # slow to import: only when asked
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
+                                    name=run_name, config=asdict(args), dir=run_dir)
+
+    def writer(self, subdirectory):
+        if subdirectory not in self.writers:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when a run starts
+            self.writers[subdirectory] = SummaryWriter(os.path.join(self.run_dir, subdirectory))
+        return self.writers[subdirectory]
+
+    def __call__(self, record, line=None, tensorboard_run=""):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        stage = record["stage"]
+        prefix = "" if stage in ("sft", "rm", "ppo") else stage + "/"
+        step = record.get(self.STEP_KEY.get(stage), 0)
+        writer = self.writer(tensorboard_run)
+        numbers = {prefix + key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        for tag, value in numbers.items():
+            writer.add_scalar(tag, value, step)
+        if "samples" in record:
+            writer.add_text(prefix + "samples", "\n\n".join(record["samples"]), step)
+        if self.wandb is not None:  # step = record count: monotonic across the stages and the runs of a sweep
+            self.wandb.log(numbers, step=self.record_count)
+        self.record_count += 1
+        if line is not None:
+            print(line, flush=True)
+
+    def close(self):
+        self.file.close()
+        for writer in self.writers.values():
+            writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def save_checkpoint(path, model, **extra):
+    """The model's config (plain Python values) and weights, plus `extra` (tensors, numbers, strings, lists,
+    dicts only), so that load_checkpoint can read it with weights_only=True."""
+    torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
+
+
+def load_checkpoint(path, flag, device):
+    """A checkpoint written by save_checkpoint -> (model, checkpoint dict). torch.load(weights_only=True) refuses
+    any pickled Python object other than tensors and plain values, without running it. A refused, damaged or
+    foreign file stops the run with one line naming the flag, the file and what is wrong."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one-line error below says it all
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as error:
+        what = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                    "a Python object")
+        raise SystemExit(f"error: {flag} {path}: refused, it holds more than tensors and plain values ({what}); "
+                         "nothing in it was run")
+    except Exception as error:  # torch raises RuntimeError, EOFError, KeyError... on damaged or non-torch files
+        reason = (str(error).splitlines() or [""])[0][:160]
+        raise SystemExit(f"error: {flag} {path}: cannot be read, damaged or not a torch checkpoint "
+                         f"({type(error).__name__}: {reason})")
+    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get("config"), dict)
+            and isinstance(checkpoint.get("state_dict"), dict)):
+        found = list(checkpoint)[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise SystemExit(f"error: {flag} {path}: not a checkpoint of ppo_rlhf_toy.py (expected a dict with 'config' "
+                         f"and 'state_dict'; found {found})")
+    try:
+        model = TinyTransformer(**checkpoint["config"]).to(device)
+        model.load_state_dict(checkpoint["state_dict"])
+    except (TypeError, RuntimeError, KeyError, ValueError) as error:
+        reason = (str(error).splitlines() or [""])[0][:160]
+        raise SystemExit(f"error: {flag} {path}: its weights do not fit its config ({type(error).__name__}: {reason})")
+    return model, checkpoint
+
+
+def catch_interrupt():
+    """The first Ctrl-C or SIGTERM only records the signal; each stage's loop reads it between steps, and train()
+    then stops with nothing half written. A second one stops at once."""
+    interrupted = []
+
+    def handler(signum, frame):
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step (again: stop now)", flush=True)
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    return interrupted, previous
+
+
+def exit_if_interrupted(interrupted, stage, run_dir, saved):
+    """After the first Ctrl-C / SIGTERM: one line saying what was kept; exit status 128 + the signal's number."""
+    if not interrupted:
+        return
+    kept = ", ".join(saved) if saved else "no checkpoints (--save-model keeps the finished stages)"
+    print(f"{signal.Signals(interrupted[0]).name}: stopped during {stage}; kept in {run_dir}: metrics.jsonl, "
+          f"TensorBoard events, {kept}", flush=True)
+    raise SystemExit(128 + interrupted[0])
+
+
+# ---------------------------------------------------------------- the story
 def train(args: Args):
     validate_args(args)
     run_name = f"rlhf_sentiment__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join("runs", run_name)
     os.makedirs(run_dir, exist_ok=True)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    log, start = Logger(args, run_dir, run_name), time.time()
+    log = Logger(args, run_dir, run_name)
+    start = time.time()
     print(f"run {run_name} on {device}")
-
-    # 1-2. language -> SFT policy, which is also the frozen reference policy
-    if args.load_sft:
-        sft = load_checkpoint(args.load_sft, device)[0]
-    else:
+    interrupted, previous_handlers = catch_interrupt()
+    saved = []  # checkpoints written so far, for the message of an interrupted run
+    try:
+        # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx samples it too.
         corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]  # `random` is seeded
-        print("corpus:", *[" ".join(s) for s in corpus[:3]], sep="\n    ")
-        sft = train_sft(args, corpus, device, log)
-    if args.save_model:
-        save_checkpoint(os.path.join(run_dir, "sft.pt"), sft)
-    ref_policy = copy.deepcopy(sft).requires_grad_(False)
+        corpus_tokens = encode_sentences(corpus, PROMPT_LEN + args.max_response_len, device)
 
-    # 3-4. preference pairs labelled through the hidden gold reward -> reward model
-    if args.load_rm:
-        rm, checkpoint = load_checkpoint(args.load_rm, device)
-        rm_info = checkpoint["rm_info"]
-    else:
-        rm, rm_info = train_reward_model(args, sft, make_preference_pairs(args, sft, device), device, log)
-    log({"stage": "rm", **rm_info}, "reward model: " + ", ".join(f"{k} {v:.3f}" for k, v in rm_info.items()))
-    if args.save_model:
-        save_checkpoint(os.path.join(run_dir, "rm.pt"), rm, rm_info=rm_info)
-    rm.requires_grad_(False)
+        # 2. SFT: the initial policy, which is also the frozen reference policy pi_ref.
+        if args.load_sft:
+            sft = load_checkpoint(args.load_sft, "--load-sft", device)[0]
+        else:
+            print("corpus:", *[" ".join(sentence) for sentence in corpus[:3]], sep="\n    ")
+            sft = train_sft(args, corpus_tokens, device, log, interrupted)  # None if Ctrl-C / SIGTERM stopped it
+        if args.save_model and sft is not None:
+            save_checkpoint(os.path.join(run_dir, "sft.pt"), sft)
+            saved.append("sft.pt")
+        exit_if_interrupted(interrupted, "SFT", run_dir, saved)
+        ref_policy = copy.deepcopy(sft).requires_grad_(False)
 
-    @torch.no_grad()
-    def proxy_score(queries, responses):  # normalised RM score at EOS; the fixed penalty without EOS (EOS trick)
-        tokens = torch.cat([queries, responses], 1)
-        score = (score_at_eos(rm(tokens), tokens) - rm_info["rm/bias"]) / rm_info["rm/gain"]
-        return torch.where((responses == EOS).any(1), score, torch.full_like(score, args.missing_eos_penalty))
+        # 3. Preference pairs labelled through the hidden gold reward, and 4. the reward model.
+        if args.load_rm:
+            rm, checkpoint = load_checkpoint(args.load_rm, "--load-rm", device)
+            rm_info = checkpoint["rm_info"]
+            log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
+        else:
+            pairs = make_preference_pairs(args, sft, device)
+            rm, rm_info = train_reward_model(args, sft, pairs, device, log, interrupted)  # None, None if stopped
+        if args.save_model and rm is not None:
+            save_checkpoint(os.path.join(run_dir, "rm.pt"), rm, rm_info=rm_info)
+            saved.append("rm.pt")
+        exit_if_interrupted(interrupted, "the reward model", run_dir, saved)
+        rm.requires_grad_(False)
+        score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
 
-    def eval_fn(batch, iteration):  # evaluation during PPO, on the rollout batch itself
-        out = {"proxy/score": float(batch["scores"].mean()), **language_stats(batch["responses"])}
-        if iteration % SAMPLE_EVERY == 0:
-            texts = torch.cat([batch["queries"], batch["responses"]], 1)[:3].tolist()
-            out["samples"] = [" ".join(decode(r)) for r in texts]
-            print("    " + "\n    ".join(out["samples"]))
-        return out
-
-    # 5-6. PPO (once, or once per beta of the sweep from the same SFT policy and RM) -> evaluation
-    sft_eval, histories, finals = evaluate(args, sft, ref_policy, proxy_score, device), {}, {}
-    for beta in args.sweep_betas if args.sweep else (args.beta,):
-        torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
-        policy = copy.deepcopy(sft).requires_grad_(True)
-        critic = copy.deepcopy(rm).requires_grad_(True)  # the RM, as Stiennon et al. and N+ (the N+ paper's detail 22)
-        with torch.no_grad():  # ...with the normalisation folded into its head, so it starts on the reward's scale
-            critic.head.bias.sub_(rm_info["rm/bias"]).div_(rm_info["rm/gain"])
-            critic.head.weight.div_(rm_info["rm/gain"])
+        # 5. PPO, once or once per beta of the sweep (the same SFT policy and RM), each followed by 6. its evaluation.
+        sft_eval = evaluate(args, sft, ref_policy, score_fn, device)
         prompt_fn = lambda n: random_prompts(n, device)
-        histories[beta] = run_ppo(args, beta, policy, ref_policy, critic, proxy_score, prompt_fn, eval_fn, log)
-        finals[beta] = evaluate(args, policy, ref_policy, proxy_score, device)
-        log({"stage": "eval", "beta": beta, **finals[beta]})
-        if args.save_model:
-            name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
-            save_checkpoint(os.path.join(run_dir, name), policy, critic=critic.state_dict())
-    bon = best_of_n(args, sft, proxy_score, device)
-    for row in bon:
-        log(row)
+        corpus_batch = lambda n: corpus_tokens[torch.randint(0, len(corpus_tokens), (n,), device=device)]
+        histories = {}
+        finals = {}
+        for beta in args.sweep_betas if args.sweep else (args.beta,):
+            exit_if_interrupted(interrupted, "evaluation", run_dir, saved)
+            torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
+            policy = copy.deepcopy(sft).requires_grad_(True)
+            critic = critic_from_reward_model(rm, rm_info)
+            run_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}") if args.sweep else log
+            histories[beta] = run_ppo(args, beta, policy, ref_policy, critic, score_fn, prompt_fn, rollout_stats,
+                                      run_log, pretrain_batch_fn=corpus_batch, interrupted=interrupted)
+            if args.save_model:  # also when interrupted: every PPO iterate is a usable policy
+                name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
+                save_checkpoint(os.path.join(run_dir, name), policy, critic=critic.state_dict(),
+                                ppo_iterations_done=len(histories[beta]))
+                saved.append(name)
+            exit_if_interrupted(interrupted, f"PPO (beta {beta:g}, iteration {len(histories[beta])})", run_dir, saved)
+            # 6. Evaluation on fresh samples, against the hidden gold reward; best-of-n from SFT below.
+            finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
+            run_log({"stage": "eval", "beta": beta, "episode": len(histories[beta]) * args.rollout_batch_size,
+                     **finals[beta]})
+        bon = best_of_n(args, sft, score_fn, device)
+        for row in bon:
+            log(row)
 
-    print(f"\n=== summary ({time.time() - start:.0f}s) ===\nreward model: held-out accuracy "
-          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling {rm_info['rm/label_ceiling']:.3f}), "
-          f"{rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold order")
-    line = lambda name, e: (
-        f"{name:<18} gold {e['gold/score']:+.3f} | proxy {e['proxy/score']:+.3f} | KL {e['objective/kl']:6.2f} | "
-        f"grammar {e['gold/grammar_rate']:.2f} | eos {e['gold/eos_rate']:.2f} | repeats {e['gold/repeat_rate']:.2f} | "
-        f"distinct {e['gold/distinct_frac']:.2f}\n    " + "\n    ".join(e["samples"][:2]))
-    print(line("SFT", sft_eval))
-    for beta, e in finals.items():
-        match = min(bon, key=lambda r: abs(r["kl_bound"] - e["objective/kl"]))  # best-of-n at the closest KL bound
-        print(line(f"PPO beta={beta:g}" + (" (adaptive)" if args.adaptive_kl else ""), e))
-        print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}"
-              f"{', the largest n' if match is bon[-1] else ''}): "
-              f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
-    summary = {"stage": "summary", **rm_info, "sft": sft_eval, "ppo": {str(b): e for b, e in finals.items()},
-               "bon": bon, "wall_s": time.time() - start}
-    log(summary)
-    if args.sweep:
-        plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
-        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-        plot_sweep(histories, bon, plot_path)
-        for beta, h in histories.items():
-            peak, e = max(range(len(h)), key=lambda i: h[i]["gold/score"]), finals[beta]
-            print(f"sweep beta={beta:g}: best rollout-batch gold {h[peak]['gold/score']:+.3f} at KL "
-                  f"{h[peak]['objective/kl']:.2f} (iteration {peak + 1}); final gold {e['gold/score']:+.3f}, "
-                  f"proxy {e['proxy/score']:+.3f}, KL {e['objective/kl']:.2f}")
-        print(f"plot: {plot_path}")
-    log.close()
+        print(f"\n=== summary ({time.time() - start:.0f}s) ===\nreward model: held-out accuracy "
+              f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
+              f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
+              f"order\n              ({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} "
+              "training pairs)")
+        print(summary_line("SFT", sft_eval))
+        for beta, evaluation in finals.items():
+            match = min(bon, key=lambda row: abs(row["kl_bound"] - evaluation["objective/kl"]))  # closest KL bound
+            print(summary_line(f"PPO beta={beta:g}" + (" (adaptive)" if args.adaptive_kl else ""), evaluation))
+            print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}"
+                  f"{', the largest n' if match is bon[-1] else ''}): "
+                  f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
+        summary = {"stage": "summary", "rm": rm_info, "sft": sft_eval,
+                   "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
+                   "wall_s": time.time() - start}
+        log(summary)
+        if args.sweep:
+            plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
+            os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+            plot_sweep([(histories, bon)], plot_path)
+            for beta, history in histories.items():
+                peak = smoothed_peak([history])
+                final = finals[beta]
+                print(f"sweep beta={beta:g}: peak of the smoothed gold {peak['gold/score']:+.3f} at KL "
+                      f"{peak['objective/kl']:.2f} (iteration {peak['iteration']}; {SMOOTHING_WINDOW}-iteration "
+                      f"centred moving average of rollout-batch means); final gold {final['gold/score']:+.3f}, "
+                      f"proxy {final['proxy/score']:+.3f}, KL {final['objective/kl']:.2f}")
+            print(f"plot: {plot_path}")
+        exit_if_interrupted(interrupted, "the final evaluation", run_dir, saved)
+    finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        log.close()
     return {**summary, "histories": histories}
 
 

@@ -2,24 +2,34 @@
 naive computations, PPO against the exact KL-regularised optimum of an enumerable task, and small end-to-end runs.
 
 Formulas: Bradley-Terry preference likelihood (Bradley & Terry 1952; the RM loss of Ziegler et al. 2019 and
-Stiennon et al. 2020); GAE (Schulman et al. 2016, arXiv 1506.02438, eq. 16); the k1/k3 KL estimators (Schulman,
-"Approximating KL divergence", 2020, joschu.net/blog/kl-approx.html); the adaptive KL controller (Ziegler et al.
-2019, arXiv 1909.08593, eq. 2); the best-of-n KL bound log n - (n-1)/n (Stiennon et al. 2020, arXiv 2009.01325,
-App. G.3); the reward-head init N(0, 1/sqrt(d+1)) of OpenAI's lm-human-preferences code; and the optimum of the
-KL-regularised objective E[r] - beta KL(pi || pi_ref), pi* = pi_ref exp(r / beta) / Z with value beta log Z
-(e.g. Rafailov et al. 2023, arXiv 2305.18290, eq. 4)."""
+Stiennon et al. 2020, InstructGPT Eq. 1); GAE (Schulman et al. 2016, arXiv 1506.02438, eq. 16); the k1/k3 KL
+estimators (Schulman, "Approximating KL divergence", 2020, joschu.net/blog/kl-approx.html); the adaptive KL
+controller (Ziegler et al. 2019, arXiv 1909.08593, eq. 2); the best-of-n KL bound log n - (n-1)/n (Stiennon et al.
+2020, arXiv 2009.01325, App. G.3); the reward-head init N(0, 1/sqrt(d+1)) of OpenAI's lm-human-preferences code;
+and the optimum of the KL-regularised objective E[r] - beta KL(pi || pi_ref), pi* = pi_ref exp(r / beta) / Z with
+value beta log Z (e.g. Rafailov et al. 2023, arXiv 2305.18290, eq. 4)."""
 import copy
 import dataclasses
 import itertools
 import json
 import math
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import typing
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import ROOT
 
 import ppo_rlhf_toy as M  # the repo root is on sys.path (conftest.py)
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import rlhf_seeds  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,46 +53,89 @@ def test_gae_golden():
 
 def test_gae_stops_at_the_mask_and_matches_a_naive_double_sum():
     torch.manual_seed(0)
-    rewards, values = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    rewards = torch.randn(5, 7, dtype=torch.float64)
+    values = torch.randn(5, 7, dtype=torch.float64)
     lengths = [7, 1, 4, 3, 6]
     mask = torch.tensor([[float(t < n) for t in range(7)] for n in lengths], dtype=torch.float64)
-    gamma, lam = 0.9, 0.8
+    gamma = 0.9
+    lam = 0.8
     advantages, returns = M.gae(rewards, values, mask, gamma, lam)
-    for b, n in enumerate(lengths):  # A_t = sum_l (gamma lam)^l delta_{t+l}, with V = 0 after the last token
-        v = lambda t: values[b, t].item() if t < n else 0.0
+    for row, n in enumerate(lengths):  # A_t = sum_l (gamma lam)^l delta_{t+l}, with V = 0 after the last token
+        value = lambda t: values[row, t].item() if t < n else 0.0
         for t in range(7):
-            deltas = [rewards[b, l].item() + gamma * v(l + 1) - v(l) for l in range(t, n)]
-            expected = sum((gamma * lam) ** i * delta for i, delta in enumerate(deltas))
-            assert advantages[b, t].item() == pytest.approx(expected if t < n else 0.0, abs=1e-12)
-            assert returns[b, t].item() == pytest.approx(expected + v(t) if t < n else 0.0, abs=1e-12)
+            deltas = [rewards[row, step].item() + gamma * value(step + 1) - value(step) for step in range(t, n)]
+            expected = sum((gamma * lam) ** power * delta for power, delta in enumerate(deltas))
+            assert advantages[row, t].item() == pytest.approx(expected if t < n else 0.0, abs=1e-12)
+            assert returns[row, t].item() == pytest.approx(expected + value(t) if t < n else 0.0, abs=1e-12)
 
 
 def test_whitening_golden_and_masked():
-    x, ones = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.ones(4)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    ones = torch.ones(4)
     torch.testing.assert_close(M.whiten(x, ones), torch.tensor([-1.341641, -0.447214, 0.447214, 1.341641]))
     torch.testing.assert_close(M.whiten(x, ones, shift_mean=False),
                                torch.tensor([1.158359, 2.052786, 2.947214, 3.841641]))
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])
-    w = M.whiten(torch.tensor([1.0, 5.0, 100.0, 3.0, -50.0]), mask)  # masked entries must not matter
-    assert M.masked_mean(w, mask).item() == pytest.approx(0.0, abs=1e-6)
-    assert M.masked_mean(w ** 2, mask).item() == pytest.approx(1.0, abs=1e-6)
+    whitened = M.whiten(torch.tensor([1.0, 5.0, 100.0, 3.0, -50.0]), mask)  # masked entries must not matter
+    assert M.masked_mean(whitened, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert M.masked_mean(whitened ** 2, mask).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_explained_variance_matches_numpy_on_the_unmasked_tokens():
+    torch.manual_seed(0)
+    returns = torch.randn(6, 5, dtype=torch.float64)
+    values = returns + 0.5 * torch.randn(6, 5, dtype=torch.float64)
+    mask = (torch.rand(6, 5) < 0.7).double()
+    keep = mask.bool().numpy()
+    expected = 1 - np.var((returns - values).numpy()[keep]) / np.var(returns.numpy()[keep])
+    assert M.explained_variance(values, returns, mask) == pytest.approx(expected, abs=1e-12)
+    assert M.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert math.isnan(M.explained_variance(values, torch.ones(6, 5, dtype=torch.float64), mask))  # Var[returns] = 0
 
 
 def test_kl_estimators_golden_and_k3_nonnegative():
     for p, q, k1, k3 in [(0.5, 0.25, 0.693147, 0.193147), (0.25, 0.5, -0.693147, 0.306853)]:
-        logp, ref_logp = torch.tensor([math.log(p)]), torch.tensor([math.log(q)])
+        logp = torch.tensor([math.log(p)])
+        ref_logp = torch.tensor([math.log(q)])
         assert M.kl_estimate(logp, ref_logp, "k1").item() == pytest.approx(k1, abs=1e-6)
         assert M.kl_estimate(logp, ref_logp, "k3").item() == pytest.approx(k3, abs=1e-6)
     # k3 >= 0 on every token of real rollouts (while k1 is negative on some of them)
     torch.manual_seed(0)
     args = M.Args(d_model=16, n_heads=2, n_layers=1)
-    policy, ref = M.make_model(args, len(M.VOCAB)), M.make_model(args, len(M.VOCAB))
+    policy = M.make_model(args, len(M.VOCAB))
+    ref = M.make_model(args, len(M.VOCAB))
     queries = M.random_prompts(256, "cpu")
     responses = M.sample(policy, queries, args.max_response_len, args.temperature)[0]
-    mask = M.response_mask(responses)
-    logp, ref_logp = (M.response_logprobs(m, queries, responses, args.temperature)[0] for m in (policy, ref))
-    assert (M.kl_estimate(logp, ref_logp, "k3")[mask.bool()] >= 0).all()
-    assert (M.kl_estimate(logp, ref_logp, "k1")[mask.bool()] < 0).any()
+    mask = M.response_mask(responses).bool()
+    logp = M.response_logprobs(policy, queries, responses, args.temperature)[0]
+    ref_logp = M.response_logprobs(ref, queries, responses, args.temperature)[0]
+    assert (M.kl_estimate(logp, ref_logp, "k3")[mask] >= 0).all()
+    assert (M.kl_estimate(logp, ref_logp, "k1")[mask] < 0).any()
+
+
+def test_k3_as_a_reward_has_the_gradient_of_forward_minus_reverse_kl_and_k1_that_of_kl():
+    """In PPO the KL penalty is part of the reward: a fixed number per sample, so its policy gradient is
+    E_pi[penalty * grad log pi]. Exact, by enumeration: k1 gives grad KL(pi || pi_ref); k3, whose expectation is
+    the same KL, gives grad KL(pi || pi_ref) - grad KL(pi_ref || pi)."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref_logp = torch.randn(6, dtype=torch.float64).log_softmax(0)
+    logp = theta.log_softmax(0)
+    probs = logp.exp()
+
+    def gradient(objective):
+        return torch.autograd.grad(objective, theta, retain_graph=True)[0]
+
+    reward_gradient = {estimator: gradient((probs * M.kl_estimate(logp.detach(), ref_logp, estimator)).sum())
+                       for estimator in ("k1", "k3")}
+    forward_kl = (probs * (logp - ref_logp)).sum()
+    reverse_kl = (ref_logp.exp() * (ref_logp - logp)).sum()
+    for estimator in ("k1", "k3"):  # the same value...
+        expectation = (probs * M.kl_estimate(logp, ref_logp, estimator)).sum()
+        assert expectation.item() == pytest.approx(forward_kl.item(), abs=1e-12)
+    torch.testing.assert_close(reward_gradient["k1"], gradient(forward_kl))  # ...but not the same gradient
+    torch.testing.assert_close(reward_gradient["k3"], gradient(forward_kl) - gradient(reverse_kl))
+    assert (reward_gradient["k3"] - gradient(forward_kl)).abs().max() > 0.05
 
 
 def test_adaptive_kl_golden():
@@ -102,23 +155,26 @@ def test_best_of_n_weights_match_brute_force_over_all_subsets():
     order = pool.argsort()
     for n in range(1, 8):
         subsets = list(itertools.combinations(range(7), n))
-        best = [max(c, key=lambda i: pool[i].item()) for c in subsets]
-        w = M.best_of_n_weights(7, n)
-        assert w.sum().item() == pytest.approx(1.0, abs=1e-12)
-        assert (pool[order] @ w).item() == pytest.approx(sum(pool[b].item() for b in best) / len(subsets), abs=1e-12)
-        assert (gold[order] @ w).item() == pytest.approx(sum(gold[b].item() for b in best) / len(subsets), abs=1e-12)
+        best = [max(subset, key=lambda i: pool[i].item()) for subset in subsets]
+        weights = M.best_of_n_weights(7, n)
+        assert weights.sum().item() == pytest.approx(1.0, abs=1e-12)
+        expected_pool = sum(pool[i].item() for i in best) / len(subsets)
+        expected_gold = sum(gold[i].item() for i in best) / len(subsets)
+        assert (pool[order] @ weights).item() == pytest.approx(expected_pool, abs=1e-12)
+        assert (gold[order] @ weights).item() == pytest.approx(expected_gold, abs=1e-12)
 
 
 def test_reward_head_init_std():
     torch.manual_seed(0)
-    for d, std in [(48, 0.142857), (64, 0.124035), (768, 0.036061)]:
-        head = M.TinyTransformer(10, 1, d, 1, 4, 8).head
-        assert head.weight.std().item() == pytest.approx(std, rel=0.3 if d < 100 else 0.08)
+    for d_model, std in [(48, 0.142857), (64, 0.124035), (768, 0.036061)]:
+        head = M.TinyTransformer(10, 1, d_model, 1, 4, 8).head
+        assert head.weight.std().item() == pytest.approx(std, rel=0.3 if d_model < 100 else 0.08)
         assert head.bias.abs().max().item() == 0.0
 
 
 def test_bradley_terry_loss_matches_hand_computation():
-    r_chosen, r_rejected = torch.tensor([1.0, 0.0, -0.5]), torch.tensor([0.0, 2.0, -0.5])
+    r_chosen = torch.tensor([1.0, 0.0, -0.5])
+    r_rejected = torch.tensor([0.0, 2.0, -0.5])
     # -log sigma(d) = log(1 + e^-d) for d = 1, -2, 0
     expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(2)) + math.log(2)) / 3
     assert M.bradley_terry_loss(r_chosen, r_rejected).item() == pytest.approx(expected, abs=1e-6)
@@ -126,14 +182,14 @@ def test_bradley_terry_loss_matches_hand_computation():
 
 def test_closed_form_optimum_golden():
     rewards = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    pi_star, log_z, kl = closed_form_optimum(torch.tensor([0.5, 0.5], dtype=torch.float64), rewards, 0.5)
+    pi_star, log_z, kl_star = closed_form_optimum(torch.tensor([0.5, 0.5], dtype=torch.float64), rewards, 0.5)
     torch.testing.assert_close(pi_star, torch.tensor([0.119203, 0.880797], dtype=torch.float64), atol=1e-6, rtol=0)
-    assert log_z == pytest.approx(1.433781, abs=1e-6) and kl == pytest.approx(0.327813, abs=1e-6)
-    assert (pi_star * rewards).sum().item() - 0.5 * kl == pytest.approx(0.5 * log_z, abs=1e-9)
+    assert log_z == pytest.approx(1.433781, abs=1e-6) and kl_star == pytest.approx(0.327813, abs=1e-6)
+    assert (pi_star * rewards).sum().item() - 0.5 * kl_star == pytest.approx(0.5 * log_z, abs=1e-9)
 
 
 def test_gold_reward_rules():
-    judge = lambda s: M.judge(s.split())[0]
+    judge = lambda text: M.judge(text.split())[0]
     assert judge("was great .") == 1.0 and judge("was not great .") == -1.0
     assert judge("was great and superb but fun .") == 2.0  # clipped at 2
     assert judge("was not great but awful .") == -2.0  # negation ends at the conjunction
@@ -142,10 +198,27 @@ def test_gold_reward_rules():
     assert judge("was great and superb") == -1.0  # no EOS
 
 
-# ---------------------------------------------------------------- masks, EOS and the reward-model readout
+def test_mean_standard_error_and_smoothed_peak_on_closed_forms():
+    mean, error = M.mean_and_standard_error([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and error == pytest.approx(math.sqrt(5 / 3) / 2)  # std (ddof 1) / sqrt(4)
+    assert M.mean_and_standard_error([[1.0, 2.0]])[1].tolist() == [0.0, 0.0]  # one seed: no error bar
+    # Two seeds of a parabola peaking at iteration 30, offset by -+0.1; KL = iteration / 10. A 9-wide centred
+    # average of (j - 30)^2 / 100 over j = 26..34 is 60 / 9 / 100 at the centre.
+    histories = [[{"gold/score": -((i - 30) ** 2) / 100 + offset, "objective/kl": i / 10} for i in range(1, 61)]
+                 for offset in (-0.1, 0.1)]
+    peak = M.smoothed_peak(histories, window=9)
+    assert peak["iteration"] == 30 and peak["objective/kl"] == pytest.approx(3.0)
+    assert peak["gold/score"] == pytest.approx(-60 / 9 / 100) and peak["gold/score se"] == pytest.approx(0.1)
+    assert peak["objective/kl se"] == pytest.approx(0.0, abs=1e-12)
+    noisy = [{"gold/score": 5.0 if i == 50 else -((i - 30) ** 2) / 100, "objective/kl": 0.0} for i in range(1, 61)]
+    assert M.smoothed_peak([noisy], window=9)["iteration"] == 30  # one noisy batch does not make the peak
+
+
+# ---------------------------------------------------------------- masks, EOS, the reward model and its data
 def test_response_mask_and_per_token_rewards_put_the_score_on_eos():
-    E, P = M.EOS, M.PAD
-    responses = torch.tensor([[5, E, P, P], [5, 6, 7, 8], [E, P, P, P]])
+    eos = M.EOS
+    pad = M.PAD
+    responses = torch.tensor([[5, eos, pad, pad], [5, 6, 7, 8], [eos, pad, pad, pad]])
     mask = M.response_mask(responses)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     kl = torch.full((3, 4), 0.5)
@@ -154,23 +227,58 @@ def test_response_mask_and_per_token_rewards_put_the_score_on_eos():
     torch.testing.assert_close(rewards, expected)
 
 
+def encode(text):
+    return [M.BOS] + [M.TOKEN[word] for word in text.split()]
+
+
 def test_rm_score_is_read_at_eos_whatever_the_padding():
     torch.manual_seed(0)
-    args = M.Args(d_model=32, n_heads=4)
-    rm = M.make_model(args, 1)
-    words = [["the", "movie", "was", "great", "."], ["a", "cast", "felt", "not", "very", "dull", "and", "fun", "."],
-             ["the", "plot", "is", "bland", "."]]
-    rows = [[M.BOS] + [M.TOKEN[w] for w in s] for s in words]
-    alone = [M.score_at_eos(rm(torch.tensor([r])), torch.tensor([r])).item() for r in rows]
+    rm = M.make_model(M.Args(d_model=32, n_heads=4), 1)
+    rows = [encode("the movie was great ."), encode("a cast felt not very dull and fun ."),
+            encode("the plot is bland .")]
+    alone = [M.score_at_eos(rm(torch.tensor([row])), torch.tensor([row])).item() for row in rows]
     for left, right in [(0, 0), (0, 3), (2, 1), (5, 0)]:  # right padding, left padding and both, in one batch
         width = max(map(len, rows)) + left + right
-        batch = torch.tensor([[M.PAD] * left + r + [M.PAD] * (width - left - len(r)) for r in rows])
+        batch = torch.tensor([[M.PAD] * left + row + [M.PAD] * (width - left - len(row)) for row in rows])
         per_token = rm(batch)
         scores = M.score_at_eos(per_token, batch)
         torch.testing.assert_close(scores, torch.tensor(alone), atol=1e-5, rtol=0)
-        eos_position = [left + len(r) - 1 for r in rows]
+        eos_position = [left + len(row) - 1 for row in rows]
         torch.testing.assert_close(scores, per_token[torch.arange(3), eos_position])
         assert not torch.allclose(scores, per_token[:, -1])  # the last position would be wrong here
+
+
+def test_proxy_score_normalises_and_penalises_a_missing_eos():
+    torch.manual_seed(0)
+    rm = M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 15)
+    rm_info = {"rm/bias": 0.3, "rm/gain": 2.0}
+    queries = torch.tensor([encode("the movie"), encode("a plot")])
+    responses = torch.tensor([[M.TOKEN[word] for word in "was great .".split()] + [M.PAD] * 3,
+                              [M.TOKEN[word] for word in "was great and very fun".split()] + [M.PAD]])
+    tokens = torch.cat([queries, responses], 1)
+    raw = M.score_at_eos(rm(tokens), tokens)
+    scores = M.proxy_score(rm, rm_info, -1.5, queries, responses)
+    assert scores[0].item() == pytest.approx((raw[0].item() - 0.3) / 2.0, abs=1e-6)
+    assert scores[1].item() == -1.5  # no EOS: the fixed penalty, whatever the RM says
+
+
+def test_held_out_pairs_share_no_sentence_with_training_pairs():
+    pool = [encode(text) for text in ["the movie was great .", "the movie was dull .", "a plot is fun .",
+                                      "a cast felt not silly .", "the music is very lovely .", "a movie was bland .",
+                                      "the ending felt clever .", "a plot is awful ."]]
+    width = max(map(len, pool))
+    pool = torch.tensor([row + [M.PAD] * (width - len(row)) for row in pool])
+    generator = torch.Generator().manual_seed(0)
+    chosen = pool[torch.randint(0, len(pool), (60,), generator=generator)]  # 60 pairs of 8 sentences: repeats
+    rejected = pool[torch.randint(0, len(pool), (60,), generator=generator)]
+    torch.manual_seed(0)
+    train, heldout, dropped = M.split_by_sentence(chosen, rejected, 0.1)
+    assert sorted(torch.cat([train, heldout, dropped]).tolist()) == list(range(60))  # a partition of the pairs
+    assert len(heldout) == 6 and len(train) > 0 and len(dropped) > 0
+    sentences = lambda idx: set(map(tuple, torch.cat([chosen[idx], rejected[idx]]).tolist()))
+    assert not sentences(train) & sentences(heldout)
+    for index in dropped.tolist():  # a pair is dropped only because it shares a sentence with a held-out pair
+        assert sentences(torch.tensor([index])) & sentences(heldout)
 
 
 # ---------------------------------------------------------------- PPO invariants on the toy transformer
@@ -178,8 +286,11 @@ def small_setup(seed=0, **overrides):
     torch.manual_seed(seed)
     args = M.Args(d_model=32, n_heads=4, rollout_batch_size=64, num_minibatches=4, **overrides)
     policy = M.make_model(args, len(M.VOCAB))
-    ref, critic, rm = copy.deepcopy(policy).requires_grad_(False), M.make_model(args, 1), M.make_model(args, 1)
-    score_fn = lambda q, r: M.score_at_eos(rm(torch.cat([q, r], 1)), torch.cat([q, r], 1)).detach()
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    critic = M.make_model(args, 1)
+    rm = M.make_model(args, 1)
+    score_fn = lambda queries, responses: M.score_at_eos(rm(torch.cat([queries, responses], 1)),
+                                                         torch.cat([queries, responses], 1)).detach()
     return args, policy, ref, critic, score_fn
 
 
@@ -192,13 +303,13 @@ def test_rollout_logprobs_equal_recomputed_and_first_minibatch_ratio_is_one():
     assert (sampled_logp * mask - recomputed).abs().max().item() < 1e-5
     assert (sampled_logp[mask == 0] == 0).all()
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=1e-3, eps=1e-5)
-    for update in range(3):  # the first minibatch of EVERY update starts from the rollout policy
+    for _ in range(3):  # the first minibatch of EVERY update starts from the rollout policy
         batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
         stats = M.ppo_update(policy, critic, optimizer, batch, args)
         # exactly 1.0 and 0.0 on our CPU; the tolerance only guards against BLAS kernels that depend on the batch shape
         assert stats[0]["ratio"] == pytest.approx(1.0, abs=1e-6) and stats[0]["approxkl"] < 1e-12
         assert stats[0]["clipfrac"] == 0.0 and stats[0]["vf_clipfrac"] == 0.0
-        assert max(s["approxkl"] for s in stats) > 1e-8  # ...and the later ones have moved
+        assert max(minibatch["approxkl"] for minibatch in stats) > 1e-8  # ...and the later ones have moved
     assert M.response_logprobs(policy, queries, responses, args.temperature)[0].sub(recomputed).abs().max() > 1e-4
 
 
@@ -213,8 +324,30 @@ def test_temperature_is_applied_in_every_pass():
     assert M.ppo_update(policy, critic, optimizer, batch, args)[0]["approxkl"] < 1e-12
 
 
+@pytest.mark.parametrize("whiten_rewards", [False, True])
+def test_reward_whitening_keeps_the_mean_and_feeds_gae(whiten_rewards):
+    """--whiten-rewards: per-token rewards scaled to unit variance without re-centring (OAI's shift_mean=False),
+    and those are the rewards GAE sees."""
+    args, policy, ref, critic, score_fn = small_setup(whiten_rewards=whiten_rewards, beta=0.3)
+    batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
+    mask = batch["mask"]
+    raw = M.per_token_rewards(batch["kl"], batch["scores"], mask, args.beta)
+    if whiten_rewards:
+        assert M.masked_mean(batch["rewards"], mask).item() == pytest.approx(M.masked_mean(raw, mask).item(), abs=1e-5)
+        assert M.masked_var(batch["rewards"], mask).item() == pytest.approx(1.0, abs=1e-4)
+        assert abs(M.masked_var(raw, mask).item() - 1.0) > 0.5  # so the scaling did something
+    else:
+        torch.testing.assert_close(batch["rewards"], raw)
+    advantages, returns = M.gae(batch["rewards"], batch["values"], mask, args.gamma, args.lam)
+    torch.testing.assert_close(batch["returns"], returns)
+    torch.testing.assert_close(batch["advantages"], M.whiten(advantages, mask) * mask)
+
+
 # ---------------------------------------------------------------- an enumerable task: exact optimum
-A_TOKENS, ENUM_EOS, ENUM_LEN, N_CODES = [2, 3, 4], 5, 3, 7 ** 4  # vocab: 0 pad, 1 bos, 2-4 words, 5 eos
+A_TOKENS = [2, 3, 4]  # vocab: 0 pad, 1 bos, 2-4 words, 5 eos
+ENUM_EOS = 5
+ENUM_LEN = 3
+N_CODES = 7 ** 4
 
 
 class TablePolicy(nn.Module):
@@ -269,19 +402,24 @@ def enumerable_task(seed=0):
     rewards = torch.rand(len(responses), dtype=torch.float64) * 2  # random gold table in [0, 2)
     reward_by_code = torch.zeros(6 ** ENUM_LEN, dtype=torch.float64)
     reward_by_code[response_code(responses)] = rewards
-    score_fn = lambda queries, r: reward_by_code[response_code(r)].float()
+    score_fn = lambda queries, batch_responses: reward_by_code[response_code(batch_responses)].float()
     ref = TablePolicy(6, 1.0).requires_grad_(False)
     return responses, rewards, score_fn, ref
 
 
-def run_enumerable_ppo(beta, iterations, lr, seed=0):
+def enumerable_prompts(n):
+    return torch.full((n, 1), M.BOS)
+
+
+def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
     responses, rewards, score_fn, ref = enumerable_task(seed)
     args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=beta, ppo_iterations=iterations,
-                  rollout_batch_size=256, num_minibatches=4, ppo_lr=lr)
-    policy, critic = copy.deepcopy(ref).requires_grad_(True), TablePolicy(1, 0.0)
-    prompt_fn = lambda n: torch.full((n, 1), M.BOS)
-    M.run_ppo(args, beta, policy, ref, critic, score_fn, prompt_fn, eos_id=ENUM_EOS)
-    pi, pi_ref = (exact_distribution(m, responses, args.temperature) for m in (policy, ref))
+                  rollout_batch_size=256, num_minibatches=4, ppo_lr=lr, **overrides)
+    policy = copy.deepcopy(ref).requires_grad_(True)
+    critic = TablePolicy(1, 0.0)
+    M.run_ppo(args, beta, policy, ref, critic, score_fn, enumerable_prompts, eos_id=ENUM_EOS)
+    pi = exact_distribution(policy, responses, args.temperature)
+    pi_ref = exact_distribution(ref, responses, args.temperature)
     return pi, pi_ref, rewards, critic(torch.full((1, 1), M.BOS))[0, 0].item()
 
 
@@ -295,7 +433,8 @@ def test_ppo_reaches_the_kl_regularised_optimum(beta):
     pi, pi_ref, rewards, root_value = run_enumerable_ppo(beta, iterations=120, lr=0.05)
     pi_star, log_z, kl_star = closed_form_optimum(pi_ref, rewards, beta)
     assert kl(pi_star, pi_ref) == pytest.approx(kl_star, abs=1e-9)
-    start, end = kl(pi_ref, pi_star), kl(pi, pi_star)
+    start = kl(pi_ref, pi_star)
+    end = kl(pi, pi_star)
     print(f"KL(ref || opt) {start:.4f} -> KL(learned || opt) {end:.4f}")
     assert start > 0.05 and end < 0.01 and end < start / 20
     objective = (pi * rewards).sum().item() - beta * kl(pi, pi_ref)  # E[r] - beta KL, at most beta log Z
@@ -303,20 +442,37 @@ def test_ppo_reaches_the_kl_regularised_optimum(beta):
     assert root_value == pytest.approx(objective, abs=0.1)  # the critic learned V(prompt) = E[sum of rewards]
 
 
+def test_ppo_with_k3_in_the_reward_misses_the_optimum_and_collapses():
+    """What test_k3_as_a_reward_has_the_gradient... predicts: with k3 the penalty does not hold pi near pi_ref, so
+    PPO ends far from pi* (which k1 reaches, above) on a single response, at a beta where pi* keeps entropy."""
+    beta = 1.0
+    pi, pi_ref, rewards, _ = run_enumerable_ppo(beta, iterations=60, lr=0.05, kl_estimator="k3")
+    pi_star, _, kl_star = closed_form_optimum(pi_ref, rewards, beta)
+    print(f"k3: KL(pi || pi_ref) {kl(pi, pi_ref):.3f} vs KL(pi* || pi_ref) {kl_star:.3f}; max pi {pi.max():.3f}")
+    assert kl(pi, pi_star) > 0.2 and kl(pi, pi_ref) > 5 * kl_star
+    assert pi.max() > 0.95 and pi_star.max() < 0.7
+
+
 def test_ppo_losses_match_a_naive_per_token_computation():
     torch.manual_seed(0)
     shape = (4, 5)
-    logp, old_logp = torch.randn(shape, dtype=torch.float64) * 0.3, torch.randn(shape, dtype=torch.float64) * 0.3
-    advantages, returns = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
-    values, old_values = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    logp = torch.randn(shape, dtype=torch.float64) * 0.3
+    old_logp = torch.randn(shape, dtype=torch.float64) * 0.3
+    advantages = torch.randn(shape, dtype=torch.float64)
+    returns = torch.randn(shape, dtype=torch.float64)
+    values = torch.randn(shape, dtype=torch.float64)
+    old_values = torch.randn(shape, dtype=torch.float64)
     mask = (torch.rand(shape) < 0.7).double()
     pg, vf, stats = M.ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, 0.2, 0.3)
-    pg_terms, vf_terms, clipped = [], [], []
+    pg_terms = []
+    vf_terms = []
+    clipped = []
     for i, j in itertools.product(range(4), range(5)):
         if mask[i, j]:
-            ratio, a = math.exp(logp[i, j] - old_logp[i, j]), advantages[i, j].item()
-            pg_terms.append(max(-a * ratio, -a * min(max(ratio, 0.8), 1.2)))
-            clipped.append(-a * min(max(ratio, 0.8), 1.2) > -a * ratio)
+            ratio = math.exp(logp[i, j] - old_logp[i, j])
+            advantage = advantages[i, j].item()
+            pg_terms.append(max(-advantage * ratio, -advantage * min(max(ratio, 0.8), 1.2)))
+            clipped.append(-advantage * min(max(ratio, 0.8), 1.2) > -advantage * ratio)
             v_clip = old_values[i, j] + min(max(values[i, j] - old_values[i, j], -0.3), 0.3)
             vf_terms.append(0.5 * max((values[i, j] - returns[i, j]) ** 2, (v_clip - returns[i, j]) ** 2).item())
     assert pg.item() == pytest.approx(sum(pg_terms) / len(pg_terms), abs=1e-12)
@@ -327,50 +483,107 @@ def test_ppo_losses_match_a_naive_per_token_computation():
 
 def test_huge_beta_keeps_the_policy_at_the_reference():
     pi, pi_ref, _, _ = run_enumerable_ppo(1e4, iterations=30, lr=0.05)
-    pi_free, _, _, _ = run_enumerable_ppo(0.0, iterations=30, lr=0.05)
+    pi_free = run_enumerable_ppo(0.0, iterations=30, lr=0.05)[0]
     print(f"KL to reference: beta=1e4 {kl(pi, pi_ref):.5f}, beta=0 {kl(pi_free, pi_ref):.3f}")
     assert kl(pi, pi_ref) < 5e-3 and kl(pi_free, pi_ref) > 0.5
     pi_frozen, pi_ref, _, _ = run_enumerable_ppo(0.0, iterations=3, lr=0.0)  # lr = 0: nothing moves
     assert kl(pi_frozen, pi_ref) == pytest.approx(0.0, abs=1e-12)
 
 
-# ---------------------------------------------------------------- end to end
-TINY = dict(corpus_size=3000, sft_steps=250, num_pairs=3000, rm_epochs=3, rm_lr=3e-3, ppo_iterations=25,
-            rollout_batch_size=64, eval_samples=256, bon_pool=16)
+def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo():
+    _, _, score_fn, ref = enumerable_task()
+    args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, ppo_iterations=8, rollout_batch_size=64,
+                  num_minibatches=4, ppo_lr=0.05, adaptive_kl=True, kl_target=0.05, kl_horizon=200)
+    policy = copy.deepcopy(ref).requires_grad_(True)
+    history = M.run_ppo(args, 0.5, policy, ref, TablePolicy(1, 0.0), score_fn, enumerable_prompts, eos_id=ENUM_EOS)
+    assert history[0]["objective/kl_coef"] == 0.5
+    for before, after in zip(history, history[1:]):
+        expected = M.adaptive_kl_beta(before["objective/kl_coef"], before["objective/kl"], 0.05, 64, 200)
+        assert after["objective/kl_coef"] == expected
+    for record in history:  # the beta of each record is the one its rewards were computed with
+        penalty = -record["objective/kl_coef"] * record["objective/kl"]
+        assert record["objective/non_score_reward"] == pytest.approx(penalty, abs=1e-6)
+    assert len({record["objective/kl_coef"] for record in history}) == len(history)  # beta moved every iteration
 
 
-def test_end_to_end_small(in_tmp):
-    tmp_path = in_tmp
-    summary = M.train(M.Args(**TINY, save_model=True))
-    print(json.dumps({k: v for k, v in summary.items() if k.startswith("rm/")}),
-          summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
-    assert summary["rm/heldout_acc"] > 0.6 and summary["rm/heldout_acc_gold"] > 0.65
-    sft, ppo = summary["sft"], summary["ppo"]["0.05"]
-    assert ppo["gold/score"] > sft["gold/score"] + 0.5 and ppo["proxy/score"] > sft["proxy/score"] + 0.5
-    (run_dir,) = list((tmp_path / "runs").iterdir())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ppo_records = [r for r in records if r["stage"] == "ppo"]
-    assert len(ppo_records) == TINY["ppo_iterations"]
-    for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
-                "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
-                "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var",
-                "val/num_eos_tokens", "lr", "episode", "eps", "gold/score", "proxy/score", "gold/grammar_rate",
-                "gold/eos_rate"]:
-        assert key in ppo_records[0], key
-    assert any("rm/heldout_acc" in r for r in records)
-    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "ppo_policy.pt", "rm.pt", "sft.pt"]  # no .tmp left behind
-    # stages re-run separately: load both checkpoints, run PPO only
-    sft_path, rm_path = str(run_dir / "sft.pt"), str(run_dir / "rm.pt")
-    again = M.train(M.Args(**{**TINY, "ppo_iterations": 2}, load_sft=sft_path, load_rm=rm_path))
-    assert again["rm/heldout_acc"] == summary["rm/heldout_acc"] and again["rm/bias"] == summary["rm/bias"]
-    assert again["sft"]["gold/grammar_rate"] > 0.9  # the loaded SFT policy is the trained one, not a fresh model
-    # same model, new samples
-    assert again["sft"]["gold/score"] == pytest.approx(summary["sft"]["gold/score"], abs=0.35)
-    # --load-sft alone, with architecture flags that differ from the checkpoint's and a shorter response length:
-    # the RM is built from the loaded SFT model's own config, so this trains an RM instead of failing
-    quick = dict(TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
-    third = M.train(M.Args(**quick, d_model=32, n_layers=1, n_heads=2, max_response_len=10, load_sft=sft_path))
-    assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm/train_pairs"] > 100
+def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update():
+    """InstructGPT's PPO-ptx term gamma E_pretrain[log pi(x)]. With a zero reward and beta = 0 every advantage is
+    0, so plain PPO leaves the policy exactly where it is, and only the ptx term can move it: towards the corpus."""
+    responses, _, _, ref = enumerable_task()
+    corpus_row = torch.tensor([[M.BOS, 2, 3, ENUM_EOS]])
+    target = [2, 3, ENUM_EOS]
+    target_index = responses.tolist().index(target)
+    zero_score = lambda queries, batch_responses: torch.zeros(len(batch_responses))
+    probability = {}
+    for ptx_coef in (0.0, 1.0):
+        calls = []
+
+        def corpus_batch(n):
+            calls.append(n)
+            return corpus_row.expand(n, -1)
+
+        args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=0.0, ppo_iterations=4, rollout_batch_size=64,
+                      num_minibatches=4, ppo_lr=0.05, ptx_coef=ptx_coef)
+        policy = copy.deepcopy(ref).requires_grad_(True)
+        history = M.run_ppo(args, 0.0, policy, ref, TablePolicy(1, 0.0), zero_score, enumerable_prompts,
+                            eos_id=ENUM_EOS, pretrain_batch_fn=corpus_batch)
+        probability[ptx_coef] = exact_distribution(policy, responses, 1.0)[target_index].item()
+        if ptx_coef == 0:
+            assert calls == [] and "loss/ptx_avg" not in history[0]
+        else:  # 8 corpus sentences per episode of each minibatch, as InstructGPT
+            assert calls == [M.PTX_SENTENCES_PER_EPISODE * 16] * (4 * 4 * 4)  # iterations x epochs x minibatches
+            assert history[-1]["loss/ptx_avg"] < history[0]["loss/ptx_avg"]
+    reference = exact_distribution(ref, responses, 1.0)[target_index].item()
+    assert probability[0.0] == pytest.approx(reference, abs=1e-12)
+    assert probability[1.0] > 0.5 > 2 * reference
+
+
+# ---------------------------------------------------------------- flags and checkpoints
+BAD_VALUES = {  # one bad value for every numeric flag of Args
+    "seed": -1, "corpus_size": 0, "max_response_len": 5, "num_pairs": 1, "label_noise": 0.0, "d_model": 0,
+    "n_layers": 0, "n_heads": 0, "sft_steps": 0, "sft_lr": math.nan, "rm_epochs": 0, "rm_lr": math.inf,
+    "ppo_iterations": 0, "rollout_batch_size": 0, "num_minibatches": 0, "ppo_epochs": -1, "ppo_lr": -1e-3,
+    "max_grad_norm": 0.0, "temperature": math.inf, "beta": -0.1, "kl_target": 0.0, "kl_horizon": 0,
+    "clip_coef": 0.0, "clip_coef_value": math.nan, "vf_coef": -1.0, "gamma": 1.5, "lam": -0.1,
+    "missing_eos_penalty": -math.inf, "ptx_coef": math.nan, "eval_samples": 0, "bon_pool": 1,
+    "sweep_betas": (0.1, math.inf), "threads": 0}
+
+
+def test_every_numeric_flag_has_a_range_and_a_bad_value_here():
+    numeric = {field.name for field in dataclasses.fields(M.Args)
+               if field.type in (int, float) or typing.get_args(field.type)[:1] == (float,)}
+    assert numeric == set(BAD_VALUES) == set(M.FLAG_RANGES)
+
+
+@pytest.mark.parametrize("name, value", BAD_VALUES.items())
+def test_a_bad_numeric_flag_fails_with_one_line_naming_it(name, value):
+    with pytest.raises(SystemExit) as error:
+        M.validate_args(dataclasses.replace(M.Args(), **{name: value}))
+    message = str(error.value)
+    assert message.startswith(f"error: --{name.replace('_', '-')} ") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(num_minibatches=3), "--num-minibatches"), (dict(rollout_batch_size=40, num_minibatches=8),
+                                                     "--num-minibatches"),
+    (dict(load_rm="x.pt", load_sft=None), "--load-rm"), (dict(n_heads=5), "--n-heads"),
+    (dict(load_sft="missing.pt"), "--load-sft")])
+def test_flags_that_constrain_each_other_fail_with_one_line(overrides, flag):
+    with pytest.raises(SystemExit) as error:
+        M.validate_args(dataclasses.replace(M.Args(), **overrides))
+    message = str(error.value)
+    assert message.startswith("error: ") and flag in message and "\n" not in message
+
+
+def test_limits_that_are_allowed():
+    M.validate_args(M.Args(max_grad_norm=math.inf, beta=0.0, ptx_coef=0.0, gamma=0.0, lam=1.0, ppo_lr=0.0,
+                           sweep_betas=(0.0,), seed=0))
+
+
+def tiny_checkpoint(path, out_dim=len(M.VOCAB), **extra):
+    model = M.TinyTransformer(len(M.VOCAB), out_dim, 16, 1, 2, 15, banned_tokens=(M.PAD, M.BOS) if out_dim > 1 else ())
+    M.save_checkpoint(path, model, **extra)
+    return model
 
 
 def test_a_checkpoint_that_cannot_serve_the_flags_fails_at_once_with_one_line(in_tmp):
@@ -378,10 +591,13 @@ def test_a_checkpoint_that_cannot_serve_the_flags_fails_at_once_with_one_line(in
     M.save_checkpoint("short.pt", policy(len(M.VOCAB), M.PROMPT_LEN + 8))  # room for 8 response tokens
     M.save_checkpoint("other_vocab.pt", policy(20, 16))
     M.save_checkpoint("reward_model.pt", M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 16))
+    tiny_checkpoint("rm_without_info.pt", out_dim=1)
     for overrides, flag in [(dict(load_sft="short.pt"), "--max-response-len"),  # 12 > 8
                             (dict(load_sft="other_vocab.pt"), "--load-sft"),
                             (dict(load_sft="reward_model.pt"), "--load-sft"),  # not a policy
-                            (dict(load_sft="short.pt", load_rm="short.pt", max_response_len=8), "--load-rm")]:
+                            (dict(load_sft="short.pt", load_rm="short.pt", max_response_len=8), "--load-rm"),
+                            (dict(load_sft="short.pt", load_rm="rm_without_info.pt", max_response_len=8),
+                             "--load-rm")]:
         with pytest.raises(SystemExit) as error:
             M.train(M.Args(**overrides))
         message = str(error.value)
@@ -390,27 +606,215 @@ def test_a_checkpoint_that_cannot_serve_the_flags_fails_at_once_with_one_line(in
     M.validate_args(M.Args(load_sft="short.pt", max_response_len=8))  # what the checkpoint supports is fine
 
 
-def test_same_seed_same_run(in_tmp):
-    tiny = dict(corpus_size=500, sft_steps=20, num_pairs=200, rm_epochs=1, ppo_iterations=3, rollout_batch_size=32,
-                eval_samples=64, bon_pool=4)
+class Malicious:
+    """Unpickling this runs a shell command: what a checkpoint from a stranger could do."""
 
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_damaged_and_foreign_checkpoints_are_refused_with_one_line(in_tmp):
+    marker = in_tmp / "pwned"
+    torch.save({"config": Malicious(marker), "state_dict": {}}, "malicious.pt")
+    with open("malicious_pickle.pt", "wb") as file:  # a plain pickle, not torch's zip format
+        pickle.dump(Malicious(marker), file)
+    tiny_checkpoint("good_sft.pt")
+    tiny_checkpoint("good_rm.pt", out_dim=1, rm_info={"rm/bias": 0.0, "rm/gain": 1.0})
+    with open("good_sft.pt", "rb") as file:
+        data = file.read()
+    with open("truncated.pt", "wb") as file:
+        file.write(data[: len(data) // 2])
+    torch.save(torch.zeros(3), "tensor.pt")
+    torch.save({"agent": {}, "args": {"env_id": "starpilot"}}, "procgen.pt")  # another script's checkpoint
+    torch.save({"config": {"vocab_size": len(M.VOCAB)}, "state_dict": {}}, "bad_config.pt")
+    cases = [("malicious.pt", "refused"), ("malicious_pickle.pt", "refused"), ("truncated.pt", "cannot be read"),
+             ("tensor.pt", "not a checkpoint of ppo_rlhf_toy.py"), ("procgen.pt", "not a checkpoint"),
+             ("bad_config.pt", "do not fit its config")]
+    for path, what in cases:
+        for overrides in (dict(load_sft=path), dict(load_sft="good_sft.pt", load_rm=path)):
+            flag = "--load-rm" if "load_rm" in overrides else "--load-sft"
+            with pytest.raises(SystemExit) as error:
+                M.train(M.Args(**overrides))
+            message = str(error.value)
+            assert message.startswith(f"error: {flag} {path}: ") and what in message, message
+            assert "\n" not in message and len(message) < 300, message
+    assert not marker.exists()  # nothing in the malicious files ran
+    assert not os.path.exists("runs")
+    M.validate_args(M.Args(load_sft="good_sft.pt", load_rm="good_rm.pt", max_response_len=12))
+
+
+def test_a_checkpoint_written_before_weights_only_loading_still_loads(in_tmp):
+    """The layout save_checkpoint wrote before this change: config with a tuple of banned tokens, the state dict,
+    and for the RM an rm_info of plain numbers without the newer keys (rm/heldout_loss, rm/epochs...)."""
+    torch.manual_seed(0)
+    rm = M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 15)
+    old_info = {"rm/heldout_acc": 0.75, "rm/heldout_acc_gold": 0.81, "rm/label_ceiling": 0.85, "rm/train_pairs": 3600,
+                "rm/heldout_pairs": 400, "rm/bias": 0.1, "rm/gain": 1.3}
+    torch.save({"config": rm.config, "state_dict": rm.state_dict(), "rm_info": old_info}, "old_rm.pt")
+    loaded, checkpoint = M.load_checkpoint("old_rm.pt", "--load-rm", "cpu")
+    assert checkpoint["rm_info"] == old_info and checkpoint["config"]["banned_tokens"] == ()
+    queries = M.random_prompts(4, "cpu")
+    responses = torch.tensor([[M.TOKEN["was"], M.TOKEN["great"], M.EOS]] * 4)
+    torch.testing.assert_close(M.proxy_score(loaded, old_info, -1.0, queries, responses),
+                               M.proxy_score(rm, old_info, -1.0, queries, responses))
+
+
+# ---------------------------------------------------------------- end to end
+TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, rm_lr=3e-3, ppo_iterations=20,
+            rollout_batch_size=64, eval_samples=256, bon_pool=16)
+MICRO = dict(corpus_size=300, sft_steps=10, num_pairs=100, rm_epochs=1, ppo_iterations=3, rollout_batch_size=16,
+             num_minibatches=2, eval_samples=32, bon_pool=4)
+
+
+def read_records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_end_to_end_small(in_tmp):
+    tmp_path = in_tmp
+    summary = M.train(M.Args(**TINY, save_model=True))
+    rm_info = summary["rm"]
+    print(json.dumps(rm_info), summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
+    assert rm_info["rm/heldout_acc"] > 0.6 and rm_info["rm/heldout_acc_gold"] > 0.65
+    sft = summary["sft"]
+    ppo = summary["ppo"]["0.05"]
+    assert ppo["gold/score"] > sft["gold/score"] + 0.5 and ppo["proxy/score"] > sft["proxy/score"] + 0.5
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    records = read_records(run_dir)
+    ppo_records = [record for record in records if record["stage"] == "ppo"]
+    assert len(ppo_records) == TINY["ppo_iterations"]
+    for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
+                "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+                "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var",
+                "val/num_eos_tokens", "val/var_explained", "ppo/returns/mean", "ppo/returns/var", "lr", "episode",
+                "eps", "gold/score", "proxy/score", "gold/grammar_rate", "gold/eos_rate"]:
+        assert key in ppo_records[0], key
+    assert ppo_records[-1]["val/var_explained"] > 0.3  # the critic, initialised from the RM, predicts returns
+    epochs = [record for record in records if record["stage"] == "rm" and "rm/heldout_loss" in record]
+    assert [record["epoch"] for record in epochs] == [1, 2, 3]  # the held-out loss after every epoch
+    assert epochs[-1]["rm/heldout_loss"] < epochs[0]["rm/heldout_loss"]
+    pairs_with_eos = rm_info["rm/train_pairs"] + rm_info["rm/heldout_pairs"] + rm_info["rm/dropped_pairs"]
+    assert pairs_with_eos <= TINY["num_pairs"] and rm_info["rm/heldout_pairs"] == int(0.1 * pairs_with_eos)
+    assert rm_info["rm/dropped_pairs"] > 0  # split by sentence
+    files = sorted(name for name in os.listdir(run_dir) if not name.startswith("events.out.tfevents"))
+    assert files == ["metrics.jsonl", "ppo_policy.pt", "rm.pt", "sft.pt"]  # no .tmp left behind
+    # stages re-run separately: load both checkpoints, run PPO only
+    sft_path = str(run_dir / "sft.pt")
+    rm_path = str(run_dir / "rm.pt")
+    again = M.train(M.Args(**{**TINY, "ppo_iterations": 2}, load_sft=sft_path, load_rm=rm_path))
+    assert again["rm"] == rm_info
+    assert again["sft"]["gold/grammar_rate"] > 0.9  # the loaded SFT policy is the trained one, not a fresh model
+    # same model, new samples
+    assert again["sft"]["gold/score"] == pytest.approx(summary["sft"]["gold/score"], abs=0.35)
+    # --load-sft alone, with architecture flags that differ from the checkpoint's and a shorter response length:
+    # the RM is built from the loaded SFT model's own config, so this trains an RM instead of failing
+    quick = dict(TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
+    third = M.train(M.Args(**quick, d_model=32, n_layers=1, n_heads=2, max_response_len=10, load_sft=sft_path))
+    assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm"]["rm/train_pairs"] > 100
+
+
+def test_same_seed_same_run(in_tmp):
     def run(**overrides):  # everything the run reports except the timings
-        summary = M.train(M.Args(**tiny, **overrides))
-        summary["histories"] = {b: [{k: v for k, v in h.items() if k != "eps"} for h in hs]
-                                for b, hs in summary["histories"].items()}
-        return json.dumps({k: v for k, v in summary.items() if k != "wall_s"}, sort_keys=True)
+        summary = M.train(M.Args(**MICRO, **overrides))
+        summary["histories"] = {beta: [{key: value for key, value in record.items() if key != "eps"}
+                                       for record in history] for beta, history in summary["histories"].items()}
+        return json.dumps({key: value for key, value in summary.items() if key != "wall_s"}, sort_keys=True)
 
     first = run()
     assert run() == first
     assert run(seed=2) != first
 
 
-@pytest.mark.parametrize("overrides, flag", [
-    (dict(num_minibatches=3), "--num-minibatches"), (dict(temperature=0.0), "--temperature"),
-    (dict(load_rm="x.pt", load_sft=None), "--load-rm"), (dict(sweep_betas=(0.1, -1.0)), "--sweep-betas"),
-    (dict(n_heads=5), "--n-heads")])
-def test_bad_arguments_fail_fast_with_one_line(overrides, flag):
-    with pytest.raises(SystemExit) as error:
-        M.validate_args(dataclasses.replace(M.Args(), **overrides))
-    message = str(error.value)
-    assert message.startswith("error: ") and flag in message and "\n" not in message
+def check_tensorboard_events(run_dir, betas):
+    """Every number of every metrics.jsonl record is a TensorBoard scalar with the documented tag and step, in the
+    run directory or, for a sweep's PPO and eval records, in its beta_{beta} subdirectory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = {}
+    for subdirectory in [""] + [f"beta_{beta:g}" for beta in betas]:
+        accumulator = EventAccumulator(str(run_dir / subdirectory))
+        accumulator.Reload()
+        events[subdirectory] = {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
+                                for tag in accumulator.Tags()["scalars"]}
+    step_key = {"sft": "step", "rm": "epoch", "ppo": "episode", "eval": "episode", "bon": "n"}
+    records = read_records(run_dir)
+    for record in records:
+        stage = record["stage"]
+        if stage in ("ppo", "eval"):
+            scalars = events[f"beta_{record.get('beta', record.get('objective/kl_coef')):g}"]
+        else:
+            scalars = events[""]
+        prefix = "" if stage in ("sft", "rm", "ppo") else stage + "/"
+        step = record.get(step_key.get(stage), 0)
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert scalars[prefix + key][step] == pytest.approx(value, rel=1e-6, abs=1e-6), (stage, key)
+    for tag in ("sft/loss", "rm/heldout_loss", "rm/heldout_acc", "rm/bias", "bon/gold/score", "summary/wall_s"):
+        assert tag in events[""], tag
+    for tag in ("objective/kl", "val/var_explained", "ppo/returns/var", "eval/gold/score"):
+        assert tag in events[f"beta_{betas[-1]:g}"] and tag not in events[""], tag
+    return records
+
+
+def test_seeds_tool_mean_and_standard_error_and_tensorboard_events_of_each_run(in_tmp, capsys):
+    args = rlhf_seeds.SeedsArgs(**MICRO, seeds=(3, 4), sweep=True, sweep_betas=(0.0, 0.05), out="seeds.json",
+                                sweep_plot="sweep.png")
+    rlhf_seeds.main(args)
+    results = json.loads((in_tmp / "seeds.json").read_text())
+    golds = [seed["ppo"]["0.05"]["gold/score"] for seed in results["per_seed"]]
+    assert len(golds) == 2 and golds[0] != golds[1]
+    gold = results["aggregate"]["ppo"]["0.05"]["gold/score"]
+    assert gold["mean"] == pytest.approx(sum(golds) / 2) and gold["se"] == pytest.approx(abs(golds[0] - golds[1]) / 2)
+    differences = [seed["ppo"]["0.05"]["gold/score"] - seed["bon"][-1]["gold/score"] for seed in results["per_seed"]]
+    paired = results["aggregate"]["ppo_minus_best_of_4"]["0.05"]["gold/score"]
+    assert paired["mean"] == pytest.approx(sum(differences) / 2)
+    assert (in_tmp / "sweep.png").stat().st_size > 10000
+    history = [{"objective/kl": 0.5, "gold/score": 1.0}, {"objective/kl": 1.5, "gold/score": 2.0},
+               {"objective/kl": 1.2, "gold/score": 3.0}]
+    assert rlhf_seeds.gold_at_kl(history, 1.0) == 2.0 and rlhf_seeds.gold_at_kl(history, 2.0) is None
+    output = capsys.readouterr().out
+    assert "mean ± standard error over 2 seeds" in output and "| PPO, β = 0.05 |" in output
+    # each run's TensorBoard events, and the docstring's table documents every metrics.jsonl key
+    run_dirs = sorted((in_tmp / "runs").glob("rlhf_sentiment__*"))
+    assert len(run_dirs) == 2
+    records = check_tensorboard_events(run_dirs[0], (0.0, 0.05))
+    assert [record["objective/kl_coef"] for record in records if record["stage"] == "ppo"] == [0.0] * 3 + [0.05] * 3
+    documented = set()
+    for line in M.__doc__.splitlines():
+        if line.startswith("| ") and not line.startswith("| key"):
+            documented.update(name.strip() for name in line.split("|")[1].split(","))
+    logged = {key for record in records for key in record}
+    assert logged <= documented, logged - documented
+
+
+def test_sigterm_stops_after_the_current_step_keeps_finished_stages_and_exits_143(tmp_path):
+    """A real SIGTERM to a real run: the PPO iteration at hand finishes, the finished stages' checkpoints and the
+    PPO policy so far are on disk (no .tmp), the logs are complete, one line says so, and the status is 128 + 15."""
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in MICRO.items() if key != "ppo_iterations"]
+    command = [sys.executable, "-u", os.path.join(ROOT, "ppo_rlhf_toy.py"), *flags, "--ppo-iterations=100000",
+               "--save-model"]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("ppo beta=0.05 it 2/"):
+                break
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("SIGTERM: stopped during PPO (beta 0.05, iteration ")
+    assert "sft.pt, rm.pt, ppo_policy.pt" in last
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    files = sorted(os.listdir(run_dir))
+    assert [name for name in files if not name.startswith("events.out.tfevents")] == [
+        "metrics.jsonl", "ppo_policy.pt", "rm.pt", "sft.pt"]
+    assert any(name.startswith("events.out.tfevents") for name in files)
+    ppo_records = [record for record in read_records(run_dir) if record["stage"] == "ppo"]
+    checkpoint = M.load_checkpoint(str(run_dir / "ppo_policy.pt"), "--load-sft", "cpu")[1]
+    assert checkpoint["ppo_iterations_done"] == len(ppo_records) >= 2
+    assert M.load_checkpoint(str(run_dir / "rm.pt"), "--load-rm", "cpu")[1]["rm_info"]["rm/epochs"] == 1

@@ -1,0 +1,154 @@
+"""ppo_rlhf_toy.py's whole pipeline once per seed, then mean +- standard error over the seeds.
+
+    python benchmarks/rlhf_seeds.py --seeds 1 2 3 4 5                  # PPO (beta 0.05) against best-of-n
+    python benchmarks/rlhf_seeds.py --seeds 1 2 3 --sweep --ppo-iterations 150 --sweep-plot docs/rlhf_sweep.png
+
+Every flag of ppo_rlhf_toy.py applies to each run (--seed is replaced by --seeds). Each seed trains its own SFT
+model, reward model and PPO policy, so the spread covers the whole pipeline. Standard error = sample standard
+deviation (ddof 1) / sqrt(seeds). Prints Markdown tables; writes every seed's numbers and the aggregate as JSON.
+"""
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_rlhf_toy as toy  # noqa: E402  (tooling may import the script; the scripts never import each other)
+
+EVAL_KEYS = ["gold/score", "proxy/score", "objective/kl", "gold/grammar_rate", "gold/repeat_rate", "gold/distinct_frac"]
+KL_LEVELS = (1.0, 2.0, 4.0, 6.0)  # where the runs of different beta are compared at the same KL
+RM_KEYS = ["rm/heldout_acc", "rm/heldout_acc_gold", "rm/label_ceiling", "rm/heldout_loss", "rm/train_pairs",
+           "rm/heldout_pairs"]
+
+
+@dataclass
+class SeedsArgs(toy.Args):
+    seeds: Tuple[int, ...] = (1, 2, 3)
+    """seeds to run, one whole pipeline each (replaces --seed)"""
+    out: Optional[str] = None
+    """JSON with every seed's numbers and the aggregate (default runs/rlhf_seeds__{time}.json)"""
+
+
+def mean_se(values):
+    """{'mean', 'se'} over seeds (the script's mean_and_standard_error)."""
+    mean, error = toy.mean_and_standard_error(values)
+    return {"mean": float(mean), "se": float(error)}
+
+
+def gold_at_kl(history, level):
+    """Gold score of the first PPO iteration whose rollout-batch KL reaches `level`, or None if none does. Raw batch
+    means: a moving average over a run whose KL rises fast would mix several KLs."""
+    return next((record["gold/score"] for record in history if record["objective/kl"] >= level), None)
+
+
+def aggregate(results):
+    """Mean +- standard error over seeds of the RM's numbers, the SFT and final PPO evaluations, best-of-n, the
+    paired difference PPO - best-of-n (largest n) of each seed, and the smoothed gold peak of each beta."""
+    over_seeds = lambda get: mean_se([get(result) for result in results])
+    betas = list(results[0]["ppo"])
+    scores = ("gold/score", "proxy/score")
+    largest_n = results[0]["bon"][-1]["n"]
+    summary = {"seeds": len(results),
+               "rm": {key: over_seeds(lambda result: result["rm"][key]) for key in RM_KEYS},
+               "sft": {key: over_seeds(lambda result: result["sft"][key]) for key in EVAL_KEYS},
+               "ppo": {}, "bon": [], f"ppo_minus_best_of_{largest_n}": {}, "smoothed_peak": {}, "gold_at_kl": {}}
+    for beta in betas:
+        summary["ppo"][beta] = {key: over_seeds(lambda result: result["ppo"][beta][key]) for key in EVAL_KEYS}
+        summary[f"ppo_minus_best_of_{largest_n}"][beta] = {
+            key: over_seeds(lambda result: result["ppo"][beta][key] - result["bon"][-1][key]) for key in scores}
+        summary["smoothed_peak"][beta] = toy.smoothed_peak([result["histories"][float(beta)] for result in results])
+        summary["gold_at_kl"][beta] = {}
+        for level in KL_LEVELS:  # over the seeds whose run reached this KL
+            golds = [gold_at_kl(result["histories"][float(beta)], level) for result in results]
+            reached = [gold for gold in golds if gold is not None]
+            summary["gold_at_kl"][beta][str(level)] = {**(mean_se(reached) if reached else {}), "seeds": len(reached)}
+    for index, row in enumerate(results[0]["bon"]):
+        summary["bon"].append({"n": row["n"], "kl_bound": row["kl_bound"],
+                               **{key: over_seeds(lambda result: result["bon"][index][key]) for key in scores}})
+    return summary
+
+
+def show(number, digits=3, sign="+"):
+    return f"{number['mean']:{sign}.{digits}f} ± {number['se']:.{digits}f}"
+
+
+def show_reached(cell, seeds):
+    """Mean ± standard error over the seeds whose run got there, saying how many when not all did."""
+    if cell["seeds"] == 0:
+        return "never"
+    return show(cell) + ("" if cell["seeds"] == seeds else f" ({cell['seeds']} of {seeds} seeds)")
+
+
+def print_tables(summary):
+    print(f"\nmean ± standard error over {summary['seeds']} seeds\n")
+    rm = summary["rm"]
+    print(f"reward model: held-out accuracy {show(rm['rm/heldout_acc'], sign='')} vs noisy labels (ceiling "
+          f"{show(rm['rm/label_ceiling'], sign='')}), {show(rm['rm/heldout_acc_gold'], sign='')} vs the gold order; "
+          f"held-out loss {show(rm['rm/heldout_loss'], sign='')}; {rm['rm/train_pairs']['mean']:.0f} training / "
+          f"{rm['rm/heldout_pairs']['mean']:.0f} held-out pairs\n")
+    print("| policy | gold (hidden, max 2) | proxy (RM) | KL to SFT (nats) | grammar | repeats | distinct |")
+    print("|---|---|---|---|---|---|---|")
+    rows = [("SFT", summary["sft"])] + [(f"PPO, β = {beta}", final) for beta, final in summary["ppo"].items()]
+    for name, final in rows:
+        print(f"| {name} | {show(final['gold/score'])} | {show(final['proxy/score'])} | "
+              f"{show(final['objective/kl'], 2, '')} | {show(final['gold/grammar_rate'], 2, '')} | "
+              f"{show(final['gold/repeat_rate'], 2, '')} | {show(final['gold/distinct_frac'], 2, '')} |")
+    for row in summary["bon"]:
+        print(f"| best-of-{row['n']} from SFT | {show(row['gold/score'])} | {show(row['proxy/score'])} | "
+              f"≤ {row['kl_bound']:.2f} | | | |")
+    difference_key = next(key for key in summary if key.startswith("ppo_minus_best_of_"))
+    for beta, difference in summary[difference_key].items():
+        print(f"\nPPO (β = {beta}) − best-of-{difference_key.rsplit('_', 1)[1]}, paired by seed: gold "
+              f"{show(difference['gold/score'])}, proxy {show(difference['proxy/score'])}")
+    print(f"\n| β | peak of the smoothed gold ({toy.SMOOTHING_WINDOW}-iteration centred moving average, seed mean) "
+          "| KL there | iteration | final gold | final proxy | final KL |")
+    print("|---|---|---|---|---|---|---|")
+    for beta, peak in summary["smoothed_peak"].items():
+        final = summary["ppo"][beta]
+        print(f"| {beta} | {peak['gold/score']:+.3f} ± {peak['gold/score se']:.3f} | {peak['objective/kl']:.2f} ± "
+              f"{peak['objective/kl se']:.2f} | {peak['iteration']} | {show(final['gold/score'])} | "
+              f"{show(final['proxy/score'])} | {show(final['objective/kl'], 2, '')} |")
+    seeds = summary["seeds"]
+    print(f"\n| β | {' | '.join(f'gold where KL first reaches {level:g}' for level in KL_LEVELS)} |")
+    print("|---|" + "---|" * len(KL_LEVELS))
+    for beta, levels in summary["gold_at_kl"].items():
+        print(f"| {beta} | {' | '.join(show_reached(cell, seeds) for cell in levels.values())} |")
+
+
+def main(args):
+    toy_args = toy.Args(**{field.name: getattr(args, field.name) for field in dataclasses.fields(toy.Args)})
+    for seed in args.seeds:  # every seed's flags are checked before the first run starts
+        toy.validate_args(dataclasses.replace(toy_args, seed=seed))
+    start = time.time()
+    results = []
+    for seed in args.seeds:
+        print(f"\n##### seed {seed}", flush=True)
+        result = toy.train(dataclasses.replace(toy_args, seed=seed, sweep_plot=None))
+        results.append(result)
+    summary = aggregate(results)
+    print_tables(summary)
+    if args.sweep and args.sweep_plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.sweep_plot)), exist_ok=True)
+        toy.plot_sweep([(result["histories"], result["bon"]) for result in results], args.sweep_plot)
+        print(f"plot: {args.sweep_plot}")
+    out = args.out or os.path.join("runs", f"rlhf_seeds__{int(time.time())}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    record = {"command": sys.argv, "seeds": list(args.seeds), "wall_s": time.time() - start, "aggregate": summary,
+              "per_seed": [{**{key: value for key, value in result.items() if key != "histories"},
+                            "smoothed_peak": {str(beta): toy.smoothed_peak([history])
+                                              for beta, history in result["histories"].items()}}
+                           for result in results]}
+    with open(out + ".tmp", "w") as file:
+        json.dump(record, file, indent=1)
+    os.replace(out + ".tmp", out)
+    print(f"results: {out} ({time.time() - start:.0f} s)")
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(SeedsArgs))
