@@ -67,10 +67,10 @@ class Args:
     """number of training levels; 0 trains on the full distribution (unlimited levels)"""
     start_level: int = 0
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
-    num_envs: int = 64
+    num_envs: int = 32
     """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of all games is one
-    learner batch, so the batch is 64 unrolls where IMPALA's Table G.1 has 32: one update per actor unroll keeps the lag
-    exact (Cleanba's IMPALA likewise trains on each 128-game rollout at once); 64 games as in the Procgen PPO script"""
+    learner batch (one update per actor unroll keeps the lag exact), so 32 games = IMPALA's batch of 32 unrolls (Table
+    G.1); the Procgen PPO script steps 64 games"""
     env_threads: int = 0
     """procgen worker threads; 0 picks a value from the machine's cores (see `thread_budget`)"""
     # Algorithm. Adam on mean losses, lr, gamma, clip and reward normalization are the PPO script's Procgen settings;
@@ -78,7 +78,7 @@ class Args:
     unroll_length: int = 20
     """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
     updates_per_iteration: int = 25
-    """learner updates per iteration, the unit of logging, evaluation and checkpoints (25 x 64 x 20 = 32,000 steps)"""
+    """learner updates per iteration, the unit of logging, evaluation and checkpoints (25 x 32 x 20 = 16,000 steps)"""
     max_policy_lag: int = 1
     """k: the actor waits before an unroll whose parameters would be more than k updates old when trained; 0 is
     synchronous, 1 lets acting and learning overlap with a lag of at most one update (Cleanba's IMPALA)"""
@@ -452,7 +452,9 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
                              the episode (x_{t+1} is then the next episode's first frame, so gamma_t = 0 cuts there)
     plus the raw returns and lengths of the episodes that ended during the unroll. Actions are sampled with
     `generator` (the actor's own, so that nothing on the learner's thread moves its random stream)."""
-    steps, episode_returns, episode_lengths = collections.defaultdict(list), [], []
+    steps = collections.defaultdict(list)
+    episode_returns = []
+    episode_lengths = []
     for _ in range(unroll_length):
         with autocast():
             logits = policy(obs)[0].float()
@@ -480,7 +482,7 @@ def vtrace_backward(policy, optimizer, batch, args, autocast):
     included: the bootstrap V(x_T) comes from the learner, not from the actor.
     Losses are means over T x B, not the paper's sums: Adam divides the gradient's scale away, so the choice matters
     only for the gradient-norm clip and Adam's epsilon, whose PPO values assume mean-sized gradients (a sum is
-    T x B = 1280 times larger and would be clipped at every step). Returns the update's statistics as tensors."""
+    T x B = 640 times larger and would be clipped at every step). Returns the update's statistics as tensors."""
     T, B = batch["actions"].shape
     with autocast():
         logits, values = policy(batch["obs"].flatten(0, 1))
@@ -607,13 +609,14 @@ def check_args(args):
 
 def thread_budget(args, device):
     """The actor thread runs its forward passes and procgen's C++ threads, the learner its forward and backward passes,
-    side by side; torch's thread count is per process. On CPU the learner's backward pass dominates and the actor
-    spends most of its time waiting for parameters, so torch gets every core and procgen one thread (measured on the
-    2-core machine: 2 torch threads ran 1.16x and 1.25x faster than 1 in two alternated rounds). On GPU procgen gets
-    the cores and torch one thread for its bookkeeping."""
+    side by side, and torch's thread count is per process. Busy threads beyond the cores preempt each other, and a
+    torch thread team waits for its slowest member: on CPU actor and learner split the cores for torch (measured on
+    the 2-core machine with other jobs running: with 2 threads the actor's forward passes ran 9-27x slower and the
+    learner's updates 1.2-1.5x slower than with 1); procgen gets one thread. On GPU procgen gets the cores and torch
+    one thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
     return env_threads, torch_threads
 
 

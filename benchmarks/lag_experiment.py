@@ -15,10 +15,11 @@ value targets estimate the stale policy's value instead of the learner's, so a g
 Writes the raw results (JSON: per run, the evaluation return after every iteration and the lags trained at), a PNG of
 the learning curves (mean and standard error over seeds) and prints a Markdown table of the final returns (mean of the
 last 5 evaluations of each run; mean +- standard error over seeds). Deterministic: a rerun gives the same numbers on
-the same CPU software stack. About 30 s per run on a 2-core CPU.
+the same CPU software stack. A run takes 22 s on the idle 2-core machine (35-130 s, 64 minutes for all 60, while
+other jobs ran).
 
-  python benchmarks/lag_experiment.py --out benchmarks/results/lag_experiment.json --plot docs/vtrace_lag.png
-  python benchmarks/lag_experiment.py --plot-only --out benchmarks/results/lag_experiment.json --plot docs/vtrace_lag.png
+  python benchmarks/lag_experiment.py              (all 60 runs; writes the defaults of --out and --plot)
+  python benchmarks/lag_experiment.py --plot-only  (redraws the plot and the table from --out)
 """
 import argparse
 import contextlib
@@ -63,7 +64,8 @@ def run(task, lag, correction, seed, iterations):
     args = vtrace.Args(env_id="coinrun", num_envs=16, unroll_length=8, updates_per_iteration=10,
                        total_timesteps=iterations * 10 * 16 * 8, max_policy_lag=lag, deterministic_lag=True,
                        correction=correction, channels=(8,), hidden_size=32, learning_rate=2e-3, gamma=0.9,
-                       eval_every=1, eval_episodes=16, seed=seed, exp_name=f"lag{lag}_{correction}")
+                       eval_every=1, eval_episodes=16, seed=seed, exp_name=f"lag{lag}_{correction}",
+                       torch_threads=2)  # the published runs' count: another one rounds differently
     with tempfile.TemporaryDirectory() as workdir, contextlib.chdir(workdir), \
             contextlib.redirect_stdout(io.StringIO()):
         run_dir = vtrace.train(args)

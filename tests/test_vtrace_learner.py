@@ -317,7 +317,7 @@ def cue_args(**overrides):
     # gamma 0.9: the cue task is a contextual bandit whose frames do not show the time left in the episode, so with
     # 0.999 the value targets mostly carry that unobservable remaining return, pure noise in V-trace's advantages
     # (PPO's advantage normalization hides it).
-    base = dict(env_id="coinrun", num_envs=16, unroll_length=8, updates_per_iteration=10, total_timesteps=12800,
+    base = dict(env_id="coinrun", num_envs=16, unroll_length=8, updates_per_iteration=10, total_timesteps=10240,
                 max_policy_lag=1, channels=(8,), hidden_size=32, learning_rate=2e-3, gamma=0.9, eval_every=0,
                 eval_episodes=16)
     return vtrace.Args(**{**base, **overrides})
@@ -345,13 +345,13 @@ def test_actor_learner_learns_the_cue_task_with_a_throttled_lag(cue_env, in_tmp,
     rows = read_rows(vtrace.train(args))
     assert not actor_threads()
     iterations = [r for r in rows if "losses/policy_loss" in r]
-    assert [r["iteration"] for r in iterations] == list(range(1, 11))  # 10 iterations of 10 x 16 x 8 steps
+    assert [r["iteration"] for r in iterations] == list(range(1, 9))  # 8 iterations of 10 x 16 x 8 steps
     assert all(set(r) == ITERATION_KEYS | lag_keys(args.max_policy_lag) for r in iterations)
     counts = np.array([[r[f"policy_lag/count_{k}"] for k in range(args.max_policy_lag + 1)] for r in iterations])
     assert (counts.sum(1) == args.updates_per_iteration).all()  # every update counted, at lag 0 or 1
     assert all(0 <= r["policy_lag/mean"] <= r["policy_lag/max"] <= args.max_policy_lag for r in iterations)
     assert counts[:, 1].sum() > 0  # real overlap: the actor played while the learner learned
-    assert 100 <= len(played) <= 100 + args.max_policy_lag + 1
+    assert 80 <= len(played) <= 80 + args.max_policy_lag + 1
     train_returns = [r["charts/episodic_return"] for r in iterations if r["charts/episodic_return"] is not None]
     assert np.mean(train_returns[:1]) < 2.5
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
