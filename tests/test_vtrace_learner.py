@@ -251,6 +251,8 @@ def hand_over(device, k, exact, num_updates=30):
         snapshots.publish(update + 1, learner.parameters(), device)
     thread.join(timeout=10)
     assert not thread.is_alive()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the actor's stream has written `played`
     return [(n, version, weight.cpu()) for n, version, weight in played]
 
 
