@@ -1,10 +1,22 @@
-"""IMPALA with V-trace on Procgen (Espeholt et al. 2018, arXiv 1802.01561): actor threads play with a possibly stale
-copy of the policy and queue unrolls of T steps; the learner batches them, corrects for the lag with V-trace (value
-targets and policy-gradient advantages from truncated importance weights pi/mu) and takes one gradient step per batch.
+"""IMPALA with V-trace on Procgen (Espeholt et al. 2018, arXiv 1802.01561): an actor plays unrolls of T steps with a
+possibly stale copy of the policy; the learner corrects for the lag with V-trace (value targets and policy-gradient
+advantages from truncated importance weights pi/mu) and takes one gradient step per unroll of all games.
 IMPALA-CNN, reward normalization and Adam as in the Procgen PPO script (Cobbe et al. 2020, arXiv 1912.01588).
 
+Actor and learner overlap as in Cleanba (Huang et al. 2023, arXiv 2310.00036): one actor thread steps all --num-envs
+games as one batch, with its own copy of the network and, on a GPU, its own CUDA stream; the learner (the main thread)
+trains on the unrolls already played meanwhile. Update n trains on unroll n, so the lag of unroll n is n minus the
+version (updates so far) of the parameters it was played with. With --max-policy-lag k the actor starts unroll n only
+once version n - k exists: no unroll is older than k, none is dropped, k = 0 is synchronous. k = 1, learner slower:
+
+    actor    P0 (v0) | P1 (v0) | wait ....... | P2 (v1) | wait ....... | P3 (v2) ...
+    learner  wait .. | L0 on P0 ............. | L1 on P1 ............. | L2 on P2 ...   (each Ln publishes v(n+1))
+
+Parameters cross from the learner's stream to the actor's, and unrolls back, through events (`PolicySnapshots`,
+`wait_for`), never by blocking the host. --deterministic-lag: unroll n is always played with version n - k exactly.
+
 Run:  python vtrace.py --env-id starpilot          (all flags: python vtrace.py --help)
-Read first: `diff ppo_procgen.py vtrace.py` (IMPALA and nothing else), then `train` (actors and learner),
+Read first: `diff ppo_procgen.py vtrace.py` (IMPALA and nothing else), then `train` (actor and learner),
 `collect_unroll` (which reward goes with which frame) and `from_importance_weights` (V-trace itself).
 """
 import collections
@@ -16,6 +28,7 @@ import os
 import queue
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -37,13 +50,14 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run name)"""
     seed: int = 1
-    """seed of python, numpy, torch and procgen's levels; the actors' timing still varies from run to run"""
+    """seed of python, numpy, torch, procgen's levels and the actor's sampling; with --deterministic-lag the same seed
+    gives the same run on CPU (otherwise the timing of actor and learner decides the lag of each unroll)"""
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms"""
     cuda: bool = True
     """use the GPU when one is available"""
     total_timesteps: int = 25_000_000
-    """environment steps the learner trains on (rounded down to whole iterations; dropped unrolls do not count)"""
+    """environment steps of the whole run (rounded down to whole iterations of updates_per_iteration unrolls)"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""
@@ -53,22 +67,27 @@ class Args:
     """number of training levels; 0 trains on the full distribution (unlimited levels)"""
     start_level: int = 0
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
-    num_actors: int = 4
-    """IMPALA's actors: threads, each with its own games and its own copy of the network"""
-    envs_per_actor: int = 16
-    """games per actor, stepped and acted on as one batch (4 x 16 = the 64 games of CleanRL's Procgen PPO)"""
+    num_envs: int = 32
+    """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of all games is one
+    learner batch (one update per actor unroll keeps the lag exact), so 32 games = IMPALA's batch of 32 unrolls (Table
+    G.1); the Procgen PPO script steps 64 games"""
     env_threads: int = 0
-    """procgen worker threads of each actor; 0 picks a value from the machine's cores (see `thread_budget`)"""
+    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_budget`)"""
     # Algorithm. Adam on mean losses, lr, gamma, clip and reward normalization are the PPO script's Procgen settings;
     # IMPALA's Atari ones (RMSProp, lr 6e-4 on summed losses, gamma 0.99, clip 40) are in its paper, Table G.1.
     unroll_length: int = 20
     """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
-    batch_size: int = 32
-    """unrolls per learner update (IMPALA paper Table G.1: 32); a multiple of envs_per_actor"""
     updates_per_iteration: int = 25
     """learner updates per iteration, the unit of logging, evaluation and checkpoints (25 x 32 x 20 = 16,000 steps)"""
-    max_policy_lag: int = 8
-    """drop unrolls whose policy is more than this many learner updates old (as Sample Factory's max_policy_lag)"""
+    max_policy_lag: int = 1
+    """k: the actor waits before an unroll whose parameters would be more than k updates old when trained; 0 is
+    synchronous, 1 lets acting and learning overlap with a lag of at most one update (Cleanba's IMPALA)"""
+    deterministic_lag: bool = False
+    """play unroll n with the parameters of exactly k = max_policy_lag updates before (version 0 for the first k), not
+    the newest available: the same seed gives the same run on CPU, at any speed of actor and learner"""
+    correction: Literal["vtrace", "none"] = "vtrace"
+    """off-policy correction: V-trace, or none (importance weights fixed to 1: the unrolls are learned from as if
+    on-policy, the baseline V-trace improves on; IMPALA paper Table 2)"""
     learning_rate: float = 5e-4
     """Adam learning rate"""
     anneal_lr: bool = False
@@ -346,8 +365,8 @@ def from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_valu
     rank of values (trailing dims may be 1 and broadcast); bootstrap_value is V(x_T), shape values.shape[1:].
     Thresholds: rho_bar (clip_rho_threshold) clips the TD weight and sets the fixed point, c_bar (clip_c_threshold)
     clips the trace and only sets the contraction speed (the paper's analysis assumes rho_bar >= c_bar), and
-    clip_pg_rho_threshold clips the policy-gradient weight; None disables a clip. lambda_ is a float or a
-    per-step [T, B, ...] tensor (Remark 2). Outputs are constants: no gradient flows through them.
+    clip_pg_rho_threshold clips the policy-gradient weight; None disables a clip. lambda_ is a float, a 0-dim tensor
+    or a per-step [T, B, ...] tensor (Remark 2). Outputs are constants: no gradient flows through them.
 
     lambda convention (SEED RL): lambda multiplies only the trace, c_s = lambda * min(c_bar, rho_s), and the
     pg target keeps v_{s+1}. Consequences: on-policy, vs - V equals GAE(gamma, lambda), but pg_advantages equals
@@ -356,10 +375,10 @@ def from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_valu
     fold the time-out bootstrap into the reward, r_s += gamma * V(final obs), and set discounts[s] = 0.
     """
     others = dict(log_rhos=log_rhos, discounts=discounts, rewards=rewards)
-    if torch.is_tensor(lambda_):
+    if torch.is_tensor(lambda_) and lambda_.dim() > 0:
         others["lambda_"] = lambda_
-    elif not 0.0 <= lambda_ <= 1.0:
-        raise ValueError(f"lambda_: expected a float in [0, 1] or a [T, B, ...] tensor, got {lambda_}")
+    elif not torch.is_tensor(lambda_) and not 0.0 <= lambda_ <= 1.0:  # a 0-dim tensor is not read: that would sync
+        raise ValueError(f"lambda_: expected a float in [0, 1], a 0-dim tensor or a [T, B, ...] tensor, got {lambda_}")
     _check_time_major(values, bootstrap_value, **others)
 
     def clip(x, threshold):  # min(threshold, x); None means no truncation
@@ -424,20 +443,23 @@ def vtrace_loss(target_logits, values, actions, vs, pg_advantages, baseline_cost
 
 
 @torch.no_grad()
-def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcontext):
+def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcontext, generator=None):
     """IMPALA's actor: T = unroll_length steps of the behaviour policy mu in a vector env, from frames `obs` [B, ...].
     Returns time-major tensors, aligned as V-trace reads them (the learner pairs index t of every field):
       obs[t], t < T          x_t, the frame mu acted on; obs[T] = x_T, the frame after the last action, for V(x_T)
       actions[t]             a_t ~ mu(.|x_t), and behaviour_logits[t] the logits of mu(.|x_t)
       rewards[t], dones[t]   what step(a_t) returned: the reward credited to (x_t, a_t), and whether that step ended
                              the episode (x_{t+1} is then the next episode's first frame, so gamma_t = 0 cuts there)
-    plus the raw returns and lengths of the episodes that ended during the unroll."""
-    steps, episode_returns, episode_lengths = collections.defaultdict(list), [], []
+    plus the raw returns and lengths of the episodes that ended during the unroll. Actions are sampled with
+    `generator` (the actor's own, so that nothing on the learner's thread moves its random stream)."""
+    steps = collections.defaultdict(list)
+    episode_returns = []
+    episode_lengths = []
     for _ in range(unroll_length):
         with autocast():
             logits = policy(obs)[0].float()
-        action = sample_action(logits)
-        frames, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+        action = sample_action(logits, generator)
+        frames, reward, terminated, truncated, info = envs.step(action.cpu().numpy())  # waits for this stream only
         for key, value in (("obs", obs), ("actions", action), ("behaviour_logits", logits),
                            ("rewards", torch.as_tensor(reward, dtype=torch.float32, device=obs.device)),
                            ("dones", torch.as_tensor(terminated | truncated, dtype=torch.float32, device=obs.device))):
@@ -451,21 +473,30 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
                 episode_lengths=episode_lengths)
 
 
+UNROLL_TENSORS = ("obs", "actions", "behaviour_logits", "rewards", "dones")
+
+
 def vtrace_backward(policy, optimizer, batch, args, autocast):
-    """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them, stacked along B
-    ([T+1, B] frames, [T, B] the rest); the caller steps the optimizer. pi's logits and values are recomputed on every
-    frame, x_T included: the bootstrap V(x_T) comes from the learner, not from the actor.
+    """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them ([T+1, B] frames,
+    [T, B] the rest); the caller steps the optimizer. pi's logits and values are recomputed on every frame, x_T
+    included: the bootstrap V(x_T) comes from the learner, not from the actor.
     Losses are means over T x B, not the paper's sums: Adam divides the gradient's scale away, so the choice matters
     only for the gradient-norm clip and Adam's epsilon, whose PPO values assume mean-sized gradients (a sum is
     T x B = 640 times larger and would be clipped at every step). Returns the update's statistics as tensors."""
     T, B = batch["actions"].shape
     with autocast():
         logits, values = policy(batch["obs"].flatten(0, 1))
-    logits, values = logits.float().view(T + 1, B, -1), values.float().view(T + 1, B)
+    logits = logits.float().view(T + 1, B, -1)
+    values = values.float().view(T + 1, B)
+    # log rho_s = log pi(a_s|x_s) - log mu(a_s|x_s), in log space (no overflow from exp then divide)
+    log_rhos = (action_log_probs(logits[:-1].detach(), batch["actions"])
+                - action_log_probs(batch["behaviour_logits"], batch["actions"]))
+    # --correction none: every importance weight fixed to 1, the unrolls taken as on-policy (IMPALA paper Table 2)
+    used_log_rhos = log_rhos if args.correction == "vtrace" else torch.zeros_like(log_rhos)
     # gamma_s = gamma * (1 - done_s): the step that ended an episode does not look past it (Procgen has no time-outs)
-    vtrace_returns = from_logits(batch["behaviour_logits"], logits[:-1], batch["actions"],
-                                 args.gamma * (1 - batch["dones"]), batch["rewards"], values[:-1], values[-1],
-                                 args.rho_bar, args.c_bar, args.pg_rho_bar, args.vtrace_lambda)
+    vtrace_returns = from_importance_weights(used_log_rhos, args.gamma * (1 - batch["dones"]), batch["rewards"],
+                                             values[:-1], values[-1], args.rho_bar, args.c_bar, args.pg_rho_bar,
+                                             args.vtrace_lambda)
     loss, pg_loss, value_loss, entropy = vtrace_loss(logits[:-1], values[:-1], batch["actions"], vtrace_returns.vs,
                                                      vtrace_returns.pg_advantages, args.baseline_cost,
                                                      args.entropy_cost, reduction="mean")
@@ -474,10 +505,76 @@ def vtrace_backward(policy, optimizer, batch, args, autocast):
     grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     if not torch.isfinite(grad_norm):  # one host sync per update: stop before a NaN reaches the weights
         raise FloatingPointError(f"non-finite loss {loss.item()} or gradient")
-    log_rhos, vs = vtrace_returns.log_rhos, vtrace_returns.vs
+    vs = vtrace_returns.vs
     return {"policy_loss": pg_loss.detach(), "value_loss": value_loss.detach(), "entropy": entropy.detach(),
             "approx_kl": (log_rhos.exp() - 1 - log_rhos).mean(),  # KL(mu || pi) estimated on mu's actions
             "explained_variance": 1 - (vs - values[:-1].detach()).var() / vs.var()}
+
+
+# ---- Actor-learner hand-over: what crosses between the actor's thread (and CUDA stream) and the learner's ----
+def stream_event(device):
+    """A CUDA event recorded after the work queued so far on this thread's current stream; None on CPU, where every
+    operation has finished when it returns."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def wait_for(event, tensors):
+    """Before this thread's current stream uses `tensors`, written on another stream up to `event`: the stream waits
+    for the event (on the GPU; the host goes on), and record_stream tells the caching allocator that the tensors are
+    in use on this stream too, so that their memory is not handed out again before it is done. No-op on CPU."""
+    if event is None:
+        return
+    stream = torch.cuda.current_stream()
+    stream.wait_event(event)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
+class PolicySnapshots:
+    """The learner's parameters by version (version = updates so far): the learner publishes a copy after every
+    update, the actor loads one into its own network before every unroll. Copies, never the live weights: the actor
+    never sees half an optimizer step, and the learner never waits for the actor. The Condition guards only this
+    dict; the GPU's order comes from events (`wait_for`). `keep` versions are kept: the newest one, or the last k + 1
+    with --deterministic-lag (unroll n needs version n - k while the learner may be at version n)."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.versions = {}  # version -> (parameter copies, event after the copies)
+        self.condition = threading.Condition()
+
+    def publish(self, version, parameters, device):
+        copies = [parameter.detach().clone() for parameter in parameters]
+        event = stream_event(device)
+        with self.condition:
+            self.versions[version] = (copies, event)
+            for old in [v for v in self.versions if v <= version - self.keep]:
+                del self.versions[old]
+            self.condition.notify_all()
+
+    def load_into(self, network, version, exact, stop):
+        """Wait until `version` (exact) or any version >= it (not exact) is published, copy it (the newest such) into
+        `network` on this thread's stream and return its number; None when `stop` is set first."""
+        def available():
+            return [v for v in self.versions if v == version or (v > version and not exact)]
+
+        with self.condition:
+            while not (stop.is_set() or available()):
+                if exact and self.versions and min(self.versions) > version:
+                    raise RuntimeError(f"parameters of version {version} were dropped before the actor took them")
+                self.condition.wait(timeout=0.1)
+            if stop.is_set():
+                return None
+            version = max(available())
+            copies, event = self.versions[version]
+        wait_for(event, copies)
+        with torch.no_grad():
+            for parameter, snapshot in zip(network.parameters(), copies):
+                parameter.copy_(snapshot)
+        return version
 
 
 def check_args(args):
@@ -487,37 +584,39 @@ def check_args(args):
             raise SystemExit(f"error: {message}")
     require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
             + ", ".join(PROCGEN_RANGES))
-    for flag in ("total_timesteps", "num_actors", "envs_per_actor", "unroll_length", "batch_size",
-                 "updates_per_iteration", "eval_episodes", "hidden_size", "save_every"):
+    for flag in ("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration", "eval_episodes",
+                 "hidden_size", "save_every"):
         require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
     for flag in ("num_levels", "start_level", "env_threads", "torch_threads", "eval_every", "max_policy_lag"):
         require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
-    require(args.batch_size % args.envs_per_actor == 0, f"--batch-size {args.batch_size} must be a multiple of "
-            f"--envs-per-actor {args.envs_per_actor} (an actor hands over the unrolls of all its games at once); try "
-            f"--batch-size {args.envs_per_actor * max(1, round(args.batch_size / args.envs_per_actor))}")
-    steps_per_iteration = args.updates_per_iteration * args.batch_size * args.unroll_length
+    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     require(args.total_timesteps >= steps_per_iteration, f"--total-timesteps {args.total_timesteps} is less than one "
-            f"iteration (updates_per_iteration * batch_size * unroll_length = {steps_per_iteration})")
+            f"iteration (updates_per_iteration * num_envs * unroll_length = {steps_per_iteration})")
     require(0 < args.gamma <= 1 and 0 <= args.vtrace_lambda <= 1,
             f"--gamma {args.gamma} must be in (0, 1], --vtrace-lambda {args.vtrace_lambda} in [0, 1]")
     require(args.learning_rate > 0 and min(args.rho_bar, args.c_bar, args.pg_rho_bar) > 0,
             "--learning-rate, --rho-bar, --c-bar and --pg-rho-bar must be > 0")
+    require(args.correction in ("vtrace", "none"), f"--correction {args.correction!r}: choose vtrace or none")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
     for flag in ("checkpoint", "resume"):
         path = getattr(args, flag)
         require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    if args.rho_bar < args.c_bar:
+        print(f"warning: --rho-bar {args.rho_bar} < --c-bar {args.c_bar}: V-trace's analysis (IMPALA paper, Appendix "
+              "A) assumes rho-bar >= c-bar", file=sys.stderr)
 
 
 def thread_budget(args, device):
-    """Busy threads beyond the cores preempt each other (most of the time goes to the kernel). Here each actor thread
-    runs its own forward passes and procgen's C++ threads, and the learner its forward and backward, all sharing
-    torch's per-process thread count. On CPU the networks dominate: the actors and the learner split the cores for
-    torch, procgen gets one thread per actor. On GPU procgen gets the cores, split between the actors."""
+    """The actor thread runs its forward passes and procgen's C++ threads, the learner its forward and backward passes,
+    side by side, and torch's thread count is per process. Busy threads beyond the cores preempt each other, and a
+    torch thread team waits for its slowest member: on CPU actor and learner split the cores for torch (measured on
+    the 2-core machine with other jobs running: with 2 threads the actor's forward passes ran 9-27x slower and the
+    learner's updates 1.2-1.5x slower than with 1); procgen gets one thread. On GPU procgen gets the cores and torch
+    one thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    env_threads = args.env_threads or (max(1, min(cores // args.num_actors, args.envs_per_actor))
-                                       if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // (args.num_actors + 1)))
+    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
     return env_threads, torch_threads
 
 
@@ -619,8 +718,7 @@ def train(args):
     check_args(args)
     if args.resume or args.eval_only:
         checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
-    items_per_update = args.batch_size // args.envs_per_actor  # an actor hands over envs_per_actor unrolls at once
-    steps_per_iteration = args.updates_per_iteration * args.batch_size * args.unroll_length
+    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     num_iterations = args.total_timesteps // steps_per_iteration
     if num_iterations * steps_per_iteration != args.total_timesteps and not args.eval_only:
         print(f"note: training {num_iterations * steps_per_iteration:,} steps ({num_iterations} whole iterations)")
@@ -663,43 +761,53 @@ def train(args):
         run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
         return logger.close()
 
-    # Actors are threads of this process: procgen's C++ stepping and torch's kernels release the GIL, threads share
-    # the device (batched inference per actor, no copies between processes) and procgen needs no fork. Each actor has
-    # its own games (with their own reward normalizer) and its own copy of the network.
-    actor_envs = [make_env(args, args.envs_per_actor) for _ in range(args.num_actors)]
-    actor_agents = [copy.deepcopy(agent) for _ in range(args.num_actors)]
+    # The actor is one thread of this process (procgen is not fork-safe; no copies between processes): it steps all
+    # games as one batch, behind one reward normalizer, with its own copy of the network, its own random generator and,
+    # on a GPU, its own CUDA stream, so its forward passes and the learner's backward passes can run at the same time.
+    # In Python the two threads still take turns under the GIL; procgen's stepping and torch's kernels run without it.
+    envs = make_env(args, args.num_envs)
+    actor_agent = copy.deepcopy(agent)
+    actor_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so that no level is replayed.
+    generator = torch.Generator(device).manual_seed(args.seed + start_iteration - 1)
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        for envs, reward_rms in zip(actor_envs, checkpoint["reward_rms"]):
-            envs.env.return_rms.mean, envs.env.return_rms.var, envs.env.return_rms.count = reward_rms
-        print(f"resuming {run_name} at iteration {start_iteration}")  # RNG states not restored: timing decides anyway
+        envs.env.return_rms.mean = np.array(checkpoint["reward_rms"]["mean"])
+        envs.env.return_rms.var = np.array(checkpoint["reward_rms"]["var"])
+        envs.env.return_rms.count = checkpoint["reward_rms"]["count"]
+        print(f"resuming {run_name} at iteration {start_iteration}")
+    # version: the learner's updates so far, the number of the parameters it publishes; update n trains on unroll n.
+    version = checkpoint["updates"] if args.resume else 0
+    first_version = version
+    snapshots = PolicySnapshots(keep=args.max_policy_lag + 1 if args.deterministic_lag else 1)
+    snapshots.publish(version, agent.parameters(), device)
+    unrolls = queue.Queue()  # never holds more than k unrolls: the actor waits for parameters, not for room
+    stop = threading.Event()
+    errors = []
 
-    def checkpoint_state(iteration):
-        rms = [envs.env.return_rms for envs in actor_envs]
-        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
-                    global_step=iteration * steps_per_iteration, reward_rms=[(r.mean, r.var, r.count) for r in rms],
-                    args=asdict(args), run_name=run_name)
+    def normalizer_state():  # plain floats: a checkpoint holds no numpy objects
+        rms = envs.env.return_rms
+        return {"mean": float(rms.mean), "var": float(rms.var), "count": float(rms.count)}
 
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, actor) so no level is replayed.
-    first_obs = [torch.as_tensor(envs.reset(seed=args.seed + (start_iteration - 1) * args.num_actors + i)[0],
-                                 device=device) for i, envs in enumerate(actor_envs)]
-    version = (start_iteration - 1) * args.updates_per_iteration  # the learner's policy version: updates so far
-    # The queue holds one batch: the learner always finds its next batch ready; a fuller queue only adds lag.
-    lock, stop, unrolls, errors = threading.Lock(), threading.Event(), queue.Queue(maxsize=items_per_update), []
-
-    def actor(index):  # IMPALA's actor: copy the learner's weights, play one unroll, hand it over; repeat
-        obs = first_obs[index]
+    def actor():  # play unroll n with parameters at most k updates old (exactly k with --deterministic-lag); repeat
         try:
-            while not stop.is_set():
-                with lock:  # the learner steps the optimizer under this lock: whole weights, and their version
-                    actor_agents[index].load_state_dict(agent.state_dict())
-                    behaviour_version = version
-                unroll = collect_unroll(actor_agents[index], actor_envs[index], obs, args.unroll_length, autocast)
-                unroll["version"], obs = behaviour_version, unroll["obs"][-1]
-                while not stop.is_set():  # the queue is bounded: an actor ahead of the learner waits here
-                    with contextlib.suppress(queue.Full):
-                        unrolls.put(unroll, timeout=0.1)
-                        break
+            with torch.cuda.stream(actor_stream) if actor_stream is not None else contextlib.nullcontext():
+                obs = torch.as_tensor(envs.reset(seed=args.seed + start_iteration - 1)[0], device=device)
+                unroll_index = first_version
+                while True:
+                    wait_start = time.time()
+                    oldest = max(unroll_index - args.max_policy_lag, first_version)
+                    behaviour_version = snapshots.load_into(actor_agent, oldest, args.deterministic_lag, stop)
+                    if behaviour_version is None:  # stopped while waiting
+                        return
+                    play_start = time.time()
+                    unroll = collect_unroll(actor_agent, envs, obs, args.unroll_length, autocast, generator)
+                    obs = unroll["obs"][-1]
+                    # The normalizer as it is between two unrolls: what a checkpoint after this unroll's update holds.
+                    unroll.update(version=behaviour_version, reward_rms=normalizer_state(), ready=stream_event(device),
+                                  actor_wait=play_start - wait_start, actor_play=time.time() - play_start)
+                    unrolls.put(unroll)
+                    unroll_index += 1
         except BaseException as error:  # handed to the learner, which re-raises it: the run stops with its message
             errors.append(error)
 
@@ -709,56 +817,63 @@ def train(args):
                 return unrolls.get(timeout=0.1)
         raise errors[0]
 
-    def stop_actors():  # each actor finishes its unroll (or its wait on the queue) and returns
+    def stop_actor():  # the actor finishes its unroll (or its wait for parameters) and returns
         stop.set()
-        for thread in threads:
-            thread.join()
+        thread.join()
 
-    threads = [threading.Thread(target=actor, args=(i,), name=f"actor-{i}", daemon=True)
-               for i in range(args.num_actors)]
-    for thread in threads:
-        thread.start()
-    global_step, completed = (start_iteration - 1) * steps_per_iteration, start_iteration - 1
-    start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
+    reward_rms = normalizer_state()  # after the last unroll trained on (the actor may be playing the next ones)
+
+    def checkpoint_state(iteration):  # `updates`: the optimizer steps in these weights (a NaN stops mid-iteration)
+        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, updates=version,
+                    global_step=iteration * steps_per_iteration, reward_rms=reward_rms, args=asdict(args),
+                    run_name=run_name)
+
+    thread = threading.Thread(target=actor, name="actor", daemon=True)
+    thread.start()
+    global_step = (start_iteration - 1) * steps_per_iteration
+    completed = start_iteration - 1
+    start_time = time.time()
+    start_step = global_step
+    recent_returns = collections.deque(maxlen=100)
     interrupted = catch_interrupt()
     try:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
-            wait_time, learn_time, lags, dropped, stats, episode_returns, episode_lengths = 0.0, 0.0, [], 0, [], [], []
+            times = collections.Counter()
+            lags = []
+            stats = []
+            episode_returns = []
+            episode_lengths = []
             for _ in range(args.updates_per_iteration):
-                # 1. Wait for batch_size unrolls; policy lag = learner version - the version the actor played with.
-                wait_start, items = time.time(), []
-                while len(items) < items_per_update:
-                    item = next_unroll()
-                    episode_returns += item["episode_returns"]
-                    episode_lengths += item["episode_lengths"]
-                    lag = version - item["version"]
-                    if lag > args.max_policy_lag:  # too stale: drop it rather than make the actors wait
-                        dropped += args.envs_per_actor
-                        continue
-                    lags += [lag] * args.envs_per_actor
-                    items.append(item)
+                # 1. Take the next unroll; this stream waits for the actor's stream to have written it.
+                wait_start = time.time()
+                unroll = next_unroll()
+                wait_for(unroll["ready"], [unroll[key] for key in UNROLL_TENSORS])
                 learn_start = time.time()
-                wait_time += learn_start - wait_start
+                times["wait"] += learn_start - wait_start
+                times["actor_wait"] += unroll["actor_wait"]
+                times["actor_play"] += unroll["actor_play"]
+                lags.append(version - unroll["version"])  # policy lag: updates between mu's parameters and now
+                episode_returns += unroll["episode_returns"]
+                episode_lengths += unroll["episode_lengths"]
 
-                # 2. V-trace and one gradient step; the new weights and their version are published together.
-                batch = {key: torch.cat([item[key] for item in items], dim=1)
-                         for key in ("obs", "actions", "behaviour_logits", "rewards", "dones")}
-                stats.append(vtrace_backward(policy, optimizer, batch, args, autocast))
-                with lock:
-                    optimizer.step()
-                    version += 1
-                learn_time += time.time() - learn_start
+                # 2. V-trace and one gradient step; then the new parameters are published as version + 1.
+                stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
+                optimizer.step()
+                version += 1
+                snapshots.publish(version, agent.parameters(), device)
+                reward_rms = unroll["reward_rms"]
+                times["learn"] += time.time() - learn_start
             global_step += steps_per_iteration
 
             # 3. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console. Columns: global_step,
             # iteration, time, charts/{SPS, learning_rate, episodes, episodic_return, episodic_length,
-            # episodic_return_last100}, losses/{policy_loss, value_loss, entropy, approx_kl,
-            # explained_variance} (means over the iteration's updates), policy_lag/{mean, max, dropped} and
-            # policy_lag/count_k for k = 0..max_policy_lag (unrolls trained on, by lag; dropped unrolls are not in
-            # them), time/{wait, learn} (the learner waiting for unrolls, and learning), perf/gpu_memory_gb (peak;
-            # None on CPU). Eval rows as in PPO.
+            # episodic_return_last100}, losses/{policy_loss, value_loss, entropy, approx_kl, explained_variance}
+            # (means over the iteration's updates), policy_lag/{mean, max} and policy_lag/count_k for
+            # k = 0..max_policy_lag (updates whose unroll was played with parameters k updates old), time/{wait, learn}
+            # (the learner waiting for unrolls, and learning), time/{actor_wait, actor_play} (the actor waiting for
+            # parameters, and playing, for this iteration's unrolls), perf/gpu_memory_gb (peak; None on CPU).
             recent_returns.extend(episode_returns)
             sps = (global_step - start_step) / (time.time() - start_time)
             average = lambda xs: float(np.mean(xs)) if len(xs) else None
@@ -770,40 +885,39 @@ def train(args):
                         "charts/episodic_length": average(episode_lengths),
                         "charts/episodic_return_last100": average(recent_returns),
                         **{f"losses/{key}": value for key, value in losses.items()},
-                        "policy_lag/mean": average(lags), "policy_lag/max": max(lags), "policy_lag/dropped": dropped,
+                        "policy_lag/mean": average(lags), "policy_lag/max": max(lags),
                         **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)},
-                        "time/wait": wait_time, "time/learn": learn_time,
+                        **{f"time/{key}": times[key] for key in ("wait", "learn", "actor_wait", "actor_play")},
                         "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
                         else None})
             completed = iteration
             eta = (num_iterations - iteration) * steps_per_iteration / sps / 60
-            print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (wait {wait_time:.1f}s, "
-                  f"learn {learn_time:.1f}s) | ETA {eta:.1f} min | lag {average(lags):.2f} (max {max(lags)}, dropped "
-                  f"{dropped}) | return " + (f"{average(episode_returns):.2f} ({len(episode_returns)} eps)"
-                                             if episode_returns else "-")
-                  + f" | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f} ent {losses['entropy']:.3f}"
-                  f" kl {losses['approx_kl']:.4f}", flush=True)
+            returns = f"{average(episode_returns):.2f} ({len(episode_returns)} eps)" if episode_returns else "-"
+            print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (learner: wait "
+                  f"{times['wait']:.1f}s, learn {times['learn']:.1f}s; actor: wait {times['actor_wait']:.1f}s, play "
+                  f"{times['actor_play']:.1f}s) | ETA {eta:.1f} min | lag {average(lags):.2f} (max {max(lags)}) | "
+                  f"return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f} "
+                  f"ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
 
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            if interrupted:  # Ctrl-C: stop here, between iterations, with nothing half done (actors first)
-                stop_actors()
+            if interrupted:  # Ctrl-C: stop here, between iterations, with nothing half done (the actor first)
+                stop_actor()
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
                 print(f"interrupted: saved iteration {iteration} to {run_dir}/checkpoint.pt; continue with --resume")
                 raise SystemExit(130)
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
-        stop_actors()
+        stop_actor()
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
-        raise SystemExit(f"error: {error} after iteration {completed}; the weights before that step are saved in "
-                         f"{path} (resume it with a lower --learning-rate, say)")
+        raise SystemExit(f"error: {error} in update {version + 1} (iteration {completed + 1}); the weights before that "
+                         f"step, after {version} updates, are saved in {path}")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        stop_actors()
-        for envs in actor_envs:
-            envs.close()
+        stop_actor()
+        envs.close()
         logger.close()
     return run_dir
 

@@ -398,6 +398,17 @@ def test_episode_split_discount_zero(lam):
     np.testing.assert_allclose(pg, split_pg, rtol=1e-13, atol=1e-13)
 
 
+def test_scalar_tensor_lambda_equals_the_float():
+    """A 0-dim tensor lambda broadcasts like the float (it is not range-checked: reading it would sync a GPU)."""
+    inp = random_inputs(np.random.default_rng(19), 6, 3, log_rho_scale=1.0)
+    for lam in (0.0, 0.7, 1.0):
+        as_float = run_vtrace(**inp, lambda_=lam)
+        as_tensor = run_vtrace(**inp, lambda_=torch.tensor(lam, dtype=torch.float64))
+        np.testing.assert_array_equal(as_tensor[0], as_float[0])
+        np.testing.assert_array_equal(as_tensor[1], as_float[1])
+    np.testing.assert_allclose(run_vtrace(**inp, lambda_=torch.tensor(0.7, dtype=torch.float64))[0],
+                               naive_vtrace(**inp, lam=0.7)[0], **F64_TOL)
+
 def test_episode_split_lambda_zero_cuts_vs_but_not_pg():
     """lambda_3 = 0 cuts the trace (vs splits, bootstrapping from V(x_4)); under the SEED convention the pg
     target at step 3 still uses v_4 (rlax's would use V(x_4))."""

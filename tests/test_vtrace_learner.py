@@ -1,10 +1,13 @@
-"""vtrace.py's actor-learner: index alignment of an unroll, the learner's use of it, learning with asynchronous actors
-and bounded lag, clean stops (actor errors, Ctrl-C), and the CLI end to end on Procgen. The V-trace math is in
-test_vtrace.py."""
+"""vtrace.py's actor-learner: index alignment of an unroll, the learner's use of it (V-trace, or no correction), the
+parameter hand-over between actor and learner, learning with a throttled lag, reproducible runs with a deterministic
+lag, consistent checkpoints, clean stops (actor errors, Ctrl-C, NaN), and the CLI end to end on Procgen. The V-trace
+math is in test_vtrace.py."""
 import contextlib
 import glob
+import io
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,9 +30,10 @@ ITERATION_KEYS = {
     "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
     "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
     "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/explained_variance", "policy_lag/mean",
-    "policy_lag/max", "policy_lag/dropped", "time/wait", "time/learn", "perf/gpu_memory_gb"}
+    "policy_lag/max", "time/wait", "time/learn", "time/actor_wait", "time/actor_play", "perf/gpu_memory_gb"}
 lag_keys = lambda max_lag: {f"policy_lag/count_{k}" for k in range(max_lag + 1)}  # noqa: E731
 EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class ChainEnv(gym.vector.VectorEnv):
@@ -40,7 +44,8 @@ class ChainEnv(gym.vector.VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
     def __init__(self, lengths):
-        self.lengths, self.num_envs = np.array(lengths), len(lengths)
+        self.lengths = np.array(lengths)
+        self.num_envs = len(lengths)
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
         self.single_action_space = gym.spaces.Discrete(15)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
@@ -52,14 +57,16 @@ class ChainEnv(gym.vector.VectorEnv):
         return self.last_frames.copy()
 
     def reset(self, *, seed=None, options=None):
-        self.t, self.episode = np.zeros(self.num_envs, dtype=int), np.zeros(self.num_envs, dtype=int)
+        self.t = np.zeros(self.num_envs, dtype=int)
+        self.episode = np.zeros(self.num_envs, dtype=int)
         return self.frames(), {}
 
     def step(self, actions):
         reward = 16.0 * self.t + np.asarray(actions)
         self.t += 1
         done = self.t == self.lengths
-        self.t[done], self.episode[done] = 0, self.episode[done] + 1
+        self.t[done] = 0
+        self.episode[done] += 1
         return self.frames(), reward, done, np.zeros(self.num_envs, dtype=bool), {}
 
 
@@ -77,7 +84,8 @@ class TablePolicy(nn.Module):
 def test_unroll_index_alignment():
     """The reward and done at index t are what step(a_t) returned for (x_t, a_t); a done cuts right after the
     episode's last step; obs[T] is the frame after the last action, and the next unroll starts from it."""
-    lengths, T = [3, 4, 5], 7
+    lengths = [3, 4, 5]
+    T = 7
     envs = RecordEpisodeStatistics(ChainEnv(lengths))
     policy = TablePolicy()
     obs = torch.as_tensor(envs.reset()[0])
@@ -88,10 +96,12 @@ def test_unroll_index_alignment():
     assert first["obs"].shape == (T + 1, 3, 64, 64, 3) and first["behaviour_logits"].shape == (T, 3, 15)
     assert first["actions"].shape == first["rewards"].shape == first["dones"].shape == (T, 3)
 
-    running, expected_returns = np.zeros(3), []
+    running = np.zeros(3)
+    expected_returns = []
     for unroll in (first, second):
         state = unroll["obs"][:, :, 0, 0].long()  # [T+1, B, (t, game, episode)]
-        t, actions = state[:-1, :, 0], unroll["actions"]
+        t = state[:-1, :, 0]
+        actions = unroll["actions"]
         torch.testing.assert_close(unroll["behaviour_logits"], policy(unroll["obs"][:-1].flatten(0, 1))[0]
                                    .view(T, 3, 15), rtol=0, atol=0)
         torch.testing.assert_close(unroll["rewards"], (16 * t + actions).float(), rtol=0, atol=0)
@@ -111,35 +121,178 @@ def test_unroll_index_alignment():
     assert len(expected_returns) == 4 + 3 + 2  # 14 steps in games whose episodes last 3, 4 and 5 steps
 
 
-def test_learner_feeds_vtrace_the_aligned_batch(monkeypatch):
-    """vtrace_backward pairs pi's logits and values on x_0..x_{T-1} with mu's logits, a_t, r_t and
-    gamma_t = gamma (1 - done_t), and bootstraps from the learner's V(x_T)."""
-    args = vtrace.Args(channels=(4,), hidden_size=16, gamma=0.9)
+def test_actor_samples_with_its_own_generator():
+    """The actor's sampling reads only its generator: the global RNG (which evaluation uses) does not move it."""
+    envs = ChainEnv([3, 4])
+    runs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        unroll = vtrace.collect_unroll(TablePolicy(), envs, torch.as_tensor(envs.reset()[0]), 6,
+                                       generator=torch.Generator().manual_seed(7))
+        runs.append(unroll["actions"])
+    assert torch.equal(runs[0], runs[1])
+
+
+def learner_batch(args):
+    """A batch as the actor hands it over, played by a fixed policy mu that is not the agent's."""
     torch.manual_seed(0)
     agent = vtrace.Agent(args, num_actions=15)
     envs = ChainEnv([2, 3, 4, 5])
     unroll = vtrace.collect_unroll(TablePolicy(), envs, torch.as_tensor(envs.reset()[0]), 6)
+    return agent, unroll
+
+
+def test_learner_feeds_vtrace_the_aligned_batch(monkeypatch):
+    """vtrace_backward pairs pi's logits and values on x_0..x_{T-1} with log rho = log pi(a_t) - log mu(a_t),
+    r_t and gamma_t = gamma (1 - done_t), and bootstraps from the learner's V(x_T)."""
+    args = vtrace.Args(channels=(4,), hidden_size=16, gamma=0.9)
+    agent, unroll = learner_batch(args)
     seen = {}
 
     def spy(*arguments):
-        seen.update(zip(["mu", "pi", "actions", "discounts", "rewards", "values", "bootstrap"], arguments))
-        return from_logits(*arguments)
+        seen.update(zip(["log_rhos", "discounts", "rewards", "values", "bootstrap"], arguments))
+        return from_importance_weights(*arguments)
 
-    from_logits = vtrace.from_logits
-    monkeypatch.setattr(vtrace, "from_logits", spy)
-    optimizer = torch.optim.Adam(agent.parameters())
-    stats = vtrace.vtrace_backward(agent, optimizer, unroll, args, contextlib.nullcontext)
+    from_importance_weights = vtrace.from_importance_weights
+    monkeypatch.setattr(vtrace, "from_importance_weights", spy)
+    stats = vtrace.vtrace_backward(agent, torch.optim.Adam(agent.parameters()), unroll, args, contextlib.nullcontext)
     with torch.no_grad():
         logits, values = zip(*(agent(frames) for frames in unroll["obs"]))
-    close = dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(seen["mu"], unroll["behaviour_logits"], rtol=0, atol=0)
-    torch.testing.assert_close(seen["pi"], torch.stack(logits[:-1]), **close)
+    log_pi = torch.log_softmax(torch.stack(logits[:-1]), -1).gather(-1, unroll["actions"].unsqueeze(-1)).squeeze(-1)
+    log_mu = torch.log_softmax(unroll["behaviour_logits"], -1).gather(-1, unroll["actions"].unsqueeze(-1)).squeeze(-1)
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["log_rhos"], log_pi - log_mu, **close)
+    assert seen["log_rhos"].abs().min() > 0.01  # off-policy: mu is not pi
     torch.testing.assert_close(seen["values"], torch.stack(values[:-1]), **close)
     torch.testing.assert_close(seen["bootstrap"], values[-1], **close)  # V(x_T) from the learner's network
     torch.testing.assert_close(seen["discounts"], 0.9 * (1 - unroll["dones"]), rtol=0, atol=0)
     assert seen["discounts"].min() == 0  # episodes do end inside this unroll
-    assert torch.equal(seen["actions"], unroll["actions"]) and torch.equal(seen["rewards"], unroll["rewards"])
+    assert torch.equal(seen["rewards"], unroll["rewards"])
     assert all(p.grad is not None for p in agent.parameters()) and all(v.isfinite() for v in stats.values())
+
+
+def on_policy_actor_critic_loss(agent, batch, args):
+    """The on-policy actor-critic (A2C) loss written from its definition, independently of vtrace.py: n-step returns
+    G_s = sum_{t>=s} (prod_{i<t} gamma_i) r_t + (prod gamma_i) V(x_T) by a double loop, advantages
+    r_s + gamma_s G_{s+1} - V(x_s) (G_T = V(x_T)), means over T x B, targets and advantages held constant."""
+    T, B = batch["actions"].shape
+    logits, values = agent(batch["obs"].flatten(0, 1))
+    logits = logits.view(T + 1, B, -1)
+    values = values.view(T + 1, B)
+    discounts = (args.gamma * (1 - batch["dones"])).double()
+    rewards = batch["rewards"].double()
+    bootstrap = values[-1].detach().double()
+    returns = torch.zeros(T + 1, B, dtype=torch.float64)
+    returns[T] = bootstrap
+    for s in range(T):
+        for t in range(s, T):
+            returns[s] += torch.prod(discounts[s:t], dim=0) * rewards[t]
+        returns[s] += torch.prod(discounts[s:T], dim=0) * bootstrap
+    advantages = (rewards + discounts * returns[1:] - values[:-1].detach().double()).float()
+    log_probs = torch.log_softmax(logits[:-1], -1)
+    chosen = log_probs.gather(-1, batch["actions"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return ((-chosen * advantages).mean() + args.baseline_cost * 0.5 * ((returns[:-1].float() - values[:-1]) ** 2)
+            .mean() - args.entropy_cost * entropy.mean())
+
+
+def test_correction_none_is_the_on_policy_actor_critic_loss():
+    """--correction none: importance weights fixed to 1, so the learner's gradient is the on-policy actor-critic's
+    on the same (off-policy) batch; with V-trace it is not."""
+    gradients = {}
+    for correction in ("none", "vtrace"):
+        args = vtrace.Args(channels=(4,), hidden_size=16, gamma=0.9, max_grad_norm=float("inf"),
+                           correction=correction)
+        agent, unroll = learner_batch(args)
+        vtrace.vtrace_backward(agent, torch.optim.Adam(agent.parameters()), unroll, args, contextlib.nullcontext)
+        gradients[correction] = [p.grad.clone() for p in agent.parameters()]
+    agent, unroll = learner_batch(args)
+    on_policy_actor_critic_loss(agent, unroll, args).backward()
+    for got, want in zip(gradients["none"], [p.grad for p in agent.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert max((v - n).abs().max() for v, n in zip(gradients["vtrace"], gradients["none"])) > 1e-3
+
+
+def hand_over(device, k, exact, num_updates=30):
+    """train's protocol, with a linear layer for the network: the learner publishes version u + 1 after taking
+    unroll u; the actor loads at least (or exactly) version max(n - k, 0) before "playing" unroll n. Random sleeps
+    shuffle the two threads' timing. Returns (unroll, version used, weight the actor's network had) triples."""
+    learner = nn.Linear(3, 2).to(device)
+    actor_network = nn.Linear(3, 2).to(device)
+    snapshots = vtrace.PolicySnapshots(keep=k + 1 if exact else 1)
+    with torch.no_grad():
+        learner.weight.fill_(0.0)
+    snapshots.publish(0, learner.parameters(), device)
+    handed = []
+    played = []
+    stop = threading.Event()
+    rng = random.Random(k)
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def actor():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for n in range(num_updates):
+                version = snapshots.load_into(actor_network, max(n - k, 0), exact, stop)
+                played.append((n, version, actor_network.weight.detach().clone()))
+                time.sleep(rng.uniform(0, 0.002))
+                handed.append(vtrace.stream_event(device))
+
+    thread = threading.Thread(target=actor)
+    thread.start()
+    deadline = time.time() + 20
+    for update in range(num_updates):
+        while len(handed) <= update:  # the learner waits for unroll `update`
+            assert time.time() < deadline and thread.is_alive()
+            time.sleep(0.0005)
+        vtrace.wait_for(handed[update], [])
+        time.sleep(rng.uniform(0, 0.002))
+        with torch.no_grad():
+            learner.weight.fill_(update + 1.0)  # version v has every weight equal to v
+        snapshots.publish(update + 1, learner.parameters(), device)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the actor's stream has written `played`
+    return [(n, version, weight.cpu()) for n, version, weight in played]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_policy_snapshots_hand_over_whole_versions(device, k):
+    """The actor's network holds exactly the version it was given, whole; with --deterministic-lag it is
+    max(n - k, 0) for unroll n, otherwise the newest available, never older than n - k (k = 0: synchronous)."""
+    for exact in (True, False):
+        played = hand_over(torch.device(device), k, exact)
+        assert [n for n, _, _ in played] == list(range(30))
+        for n, version, weight in played:
+            assert torch.equal(weight, torch.full_like(weight, float(version)))  # one whole version, not a mix
+            if exact:
+                assert version == max(n - k, 0)
+            else:
+                assert max(n - k, 0) <= version <= n
+
+
+def test_policy_snapshots_are_copies_and_stop_ends_a_wait():
+    network = nn.Linear(3, 2)
+    target = nn.Linear(3, 2)
+    snapshots = vtrace.PolicySnapshots(keep=2)
+    published = network.weight.detach().clone()
+    snapshots.publish(0, network.parameters(), torch.device("cpu"))
+    with torch.no_grad():
+        network.weight.add_(1.0)  # the learner moves on: the snapshot does not
+    assert snapshots.load_into(target, 0, True, threading.Event()) == 0
+    assert torch.equal(target.weight, published)
+    for version in (1, 2, 3):
+        snapshots.publish(version, network.parameters(), torch.device("cpu"))
+    assert sorted(snapshots.versions) == [2, 3]  # keep = 2
+    assert snapshots.load_into(target, 1, False, threading.Event()) == 3  # the newest at least as new as asked
+    with pytest.raises(RuntimeError, match="version 1 were dropped"):
+        snapshots.load_into(target, 1, True, threading.Event())
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    start = time.time()
+    assert snapshots.load_into(target, 9, False, stop) is None  # waited for a version that never came
+    assert 0.15 < time.time() - start < 2
 
 
 def read_rows(run_dir):
@@ -147,48 +300,95 @@ def read_rows(run_dir):
         return [json.loads(line) for line in f]
 
 
+def load_saved(path):
+    """A checkpoint file; the state train builds must load with weights_only=True (plain numbers, strings, lists,
+    dicts and tensors), checked without the "rng" entry that the shared save_checkpoint adds (numpy RNG states)."""
+    saved = torch.load(path, weights_only=False)
+    buffer = io.BytesIO()
+    torch.save({key: value for key, value in saved.items() if key != "rng"}, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
+    return saved
+
+
 def actor_threads():
-    return [thread for thread in threading.enumerate() if thread.name.startswith("actor-")]
+    return [thread for thread in threading.enumerate() if thread.name == "actor"]
 
 
 def cue_args(**overrides):
     # gamma 0.9: the cue task is a contextual bandit whose frames do not show the time left in the episode, so with
     # 0.999 the value targets mostly carry that unobservable remaining return, pure noise in V-trace's advantages
-    # (PPO's advantage normalization hides it). max_policy_lag 1 is below the lag of 2 that a busy 2-core learner
-    # sees, so dropping is exercised there.
-    base = dict(env_id="coinrun", num_actors=2, envs_per_actor=8, unroll_length=8, batch_size=16,
-                updates_per_iteration=10, total_timesteps=12800, max_policy_lag=1, channels=(8,), hidden_size=32,
-                learning_rate=2e-3, gamma=0.9, eval_every=0, eval_episodes=16)
+    # (PPO's advantage normalization hides it).
+    base = dict(env_id="coinrun", num_envs=16, unroll_length=8, updates_per_iteration=10, total_timesteps=10240,
+                max_policy_lag=1, channels=(8,), hidden_size=32, learning_rate=2e-3, gamma=0.9, eval_every=0,
+                eval_episodes=16)
     return vtrace.Args(**{**base, **overrides})
 
 
-def test_actor_learner_learns_the_cue_task_with_bounded_lag(cue_env, in_tmp):
-    """Two actor threads and the learner on the pixel cue task: random play earns 8/15 ~ 0.53 per episode, a solved
-    task 8. Every unroll trained on is at most --max-policy-lag updates old, and some are older than 0."""
+def count_unrolls(monkeypatch):
+    """Count the unrolls the actor plays."""
+    played = []
+    collect_unroll = vtrace.collect_unroll
+
+    def counting(*arguments):
+        played.append(1)
+        return collect_unroll(*arguments)
+    monkeypatch.setattr(vtrace, "collect_unroll", counting)
+    return played
+
+
+def test_actor_learner_learns_the_cue_task_with_a_throttled_lag(cue_env, in_tmp, monkeypatch):
+    """The actor thread and the learner on the pixel cue task, --max-policy-lag 1: random play earns 8/15 ~ 0.53 per
+    episode, a solved task 8. No unroll trains more than 1 update old, some are 1 old (acting and learning overlapped),
+    and none is dropped: the actor played only the unrolls trained on, plus at most k + 1 in flight at the end."""
     cue_env(vtrace)
+    played = count_unrolls(monkeypatch)
     args = cue_args()
     rows = read_rows(vtrace.train(args))
     assert not actor_threads()
     iterations = [r for r in rows if "losses/policy_loss" in r]
-    assert [r["iteration"] for r in iterations] == list(range(1, 11))  # 10 iterations of 10 x 16 x 8 steps
+    assert [r["iteration"] for r in iterations] == list(range(1, 9))  # 8 iterations of 10 x 16 x 8 steps
     assert all(set(r) == ITERATION_KEYS | lag_keys(args.max_policy_lag) for r in iterations)
     counts = np.array([[r[f"policy_lag/count_{k}"] for k in range(args.max_policy_lag + 1)] for r in iterations])
-    assert (counts.sum(1) == args.updates_per_iteration * args.batch_size).all()  # every unroll trained on, counted
+    assert (counts.sum(1) == args.updates_per_iteration).all()  # every update counted, at lag 0 or 1
     assert all(0 <= r["policy_lag/mean"] <= r["policy_lag/max"] <= args.max_policy_lag for r in iterations)
-    assert counts[:, 1:].sum() > 0  # real asynchrony: the learner moved on while actors played
+    assert counts[:, 1].sum() > 0  # real overlap: the actor played while the learner learned
+    assert 80 <= len(played) <= 80 + args.max_policy_lag + 1
     train_returns = [r["charts/episodic_return"] for r in iterations if r["charts/episodic_return"] is not None]
     assert np.mean(train_returns[:1]) < 2.5
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
 
 
-@pytest.mark.parametrize("where", ["actor", "learner", "second_ctrl_c", "nonfinite"])
-def test_errors_and_interrupts_stop_every_actor(where, cue_env, in_tmp, monkeypatch):
-    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes the iteration and saves a
-    checkpoint; a second Ctrl-C stops at once; a non-finite loss saves the last finite weights; none of them leaves a
-    thread behind or hangs."""
+def test_deterministic_lag_gives_identical_runs(cue_env, in_tmp):
+    """--deterministic-lag 4: unroll n is played with parameters of version max(n - 4, 0), so two runs with the same
+    seed log the same losses, returns, lags and evaluations on CPU (only timings differ); another seed does not."""
     cue_env(vtrace)
-    calls, collect_unroll, vtrace_backward, vtrace_loss = [], vtrace.collect_unroll, vtrace.vtrace_backward, \
-        vtrace.vtrace_loss
+    timing = lambda row: {k: v for k, v in row.items() if k.startswith("time") or k == "charts/SPS"}  # noqa: E731
+    runs = []
+    for seed in (1, 1, 2):
+        args = cue_args(num_envs=8, max_policy_lag=4, deterministic_lag=True, total_timesteps=2 * 640, eval_every=1,
+                        seed=seed)
+        rows = read_rows(vtrace.train(args))
+        runs.append([{k: v for k, v in row.items() if k not in timing(row)} for row in rows])
+    assert len(runs[0]) == 4 and runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    iterations = [r for r in runs[0] if "losses/policy_loss" in r]
+    assert [r["policy_lag/count_4"] for r in iterations] == [6, 10]  # lags 0, 1, 2, 3, then always 4
+    assert [iterations[0][f"policy_lag/count_{k}"] for k in range(4)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("where", ["actor", "learner", "second_ctrl_c", "nonfinite"])
+def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatch):
+    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes the iteration and saves a
+    checkpoint whose reward normalizer is the one after the last unroll trained on (while the actor is already
+    playing further); a second Ctrl-C stops at once; a non-finite loss saves the weights from before that step with
+    their update count; none of them leaves a thread behind or hangs."""
+    cue_env(vtrace)
+    calls = []
+    weights_before = []
+    collect_unroll = vtrace.collect_unroll
+    vtrace_backward = vtrace.vtrace_backward
+    vtrace_loss = vtrace.vtrace_loss
 
     def failing_actor(*arguments):
         calls.append(1)
@@ -205,24 +405,43 @@ def test_errors_and_interrupts_stop_every_actor(where, cue_env, in_tmp, monkeypa
                 raise KeyboardInterrupt  # what the second Ctrl-C raises
         return vtrace_backward(*arguments)
 
+    def watched_learner(policy, *arguments):
+        weights_before.append({k: v.clone() for k, v in policy.state_dict().items()})
+        return vtrace_backward(policy, *arguments)
+
+    def nonfinite_loss(*arguments, **keywords):  # the 13th update's loss is NaN
+        calls.append(1)
+        return tuple(x * (float("nan") if len(calls) == 13 else 1.0) for x in vtrace_loss(*arguments, **keywords))
+
+    if where == "nonfinite":
+        monkeypatch.setattr(vtrace, "vtrace_backward", watched_learner)
     monkeypatch.setattr(vtrace, *{
         "actor": ("collect_unroll", failing_actor), "learner": ("vtrace_backward", interrupted_learner),
-        "second_ctrl_c": ("vtrace_backward", interrupted_learner),
-        "nonfinite": ("vtrace_loss", lambda *a, **k: tuple(x * float("nan") for x in vtrace_loss(*a, **k)))}[where])
+        "second_ctrl_c": ("vtrace_backward", interrupted_learner), "nonfinite": ("vtrace_loss", nonfinite_loss)}[where])
     expected = {"actor": pytest.raises(ValueError, match="boom in an actor"),
                 "learner": pytest.raises(SystemExit, match="130"), "second_ctrl_c": pytest.raises(KeyboardInterrupt),
-                "nonfinite": pytest.raises(SystemExit, match="non-finite loss .* after iteration 0; the weights before")}
+                "nonfinite": pytest.raises(SystemExit, match="non-finite loss .* in update 13 .iteration 2.; the "
+                                           "weights before that step, after 12 updates")}
+    args = cue_args(max_policy_lag=2)
     start = time.time()
     with expected[where]:
-        vtrace.train(cue_args(updates_per_iteration=10, total_timesteps=10 * 1280))
+        vtrace.train(args)
     assert time.time() - start < 30 and not actor_threads()
     if where in ("actor", "second_ctrl_c"):
         assert not glob.glob("runs/*/checkpoint*.pt")  # nothing half done was saved
+        return
+    (path,) = glob.glob("runs/*/checkpoint*.pt")
+    saved = load_saved(path)
+    if where == "learner":
+        assert saved["iteration"] == 2 and saved["updates"] == 20 and saved["global_step"] == 2 * 1280
     else:
-        (path,) = glob.glob("runs/*/checkpoint*.pt")
-        saved = torch.load(path, weights_only=False)
-        assert saved["iteration"] == (2 if where == "learner" else 0)
-        assert all(torch.isfinite(p).all() for p in saved["agent"].values())
+        assert saved["iteration"] == 1 and saved["updates"] == 12 and len(weights_before) == 13
+        for key, value in saved["agent"].items():
+            assert torch.equal(value, weights_before[12][key])  # the weights the bad step started from
+    # The normalizer after exactly the trained unrolls: it counts one return per game per step (from 1e-4).
+    trained_steps = saved["updates"] * args.num_envs * args.unroll_length
+    assert saved["reward_rms"]["count"] == pytest.approx(1e-4 + trained_steps, abs=1e-9)
+    assert all(type(value) is float for value in saved["reward_rms"].values())
 
 
 def run_script(*flags, timeout=120):
@@ -230,9 +449,8 @@ def run_script(*flags, timeout=120):
                           timeout=timeout)
 
 
-TINY = ["--env-id", "starpilot", "--num-actors", "2", "--envs-per-actor", "2", "--unroll-length", "8",
-        "--batch-size", "4", "--updates-per-iteration", "2", "--max-policy-lag", "3", "--channels", "4",
-        "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
+TINY = ["--env-id", "starpilot", "--num-envs", "4", "--unroll-length", "8", "--updates-per-iteration", "2",
+        "--max-policy-lag", "3", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
 
 
 def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
@@ -250,14 +468,15 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     process.send_signal(signal.SIGINT)
     interrupted = time.time()
     output = process.communicate(timeout=30)[0]
-    assert time.time() - interrupted < 10  # the process (and with it every actor thread) is gone
+    assert time.time() - interrupted < 10  # the process (and with it the actor thread) is gone
     assert process.returncode != 0 and "interrupted: saved iteration" in output, output
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
-    saved = torch.load(path, weights_only=False)
+    saved = load_saved(path)
     assert 1 <= saved["iteration"] < 60 and saved["global_step"] == saved["iteration"] * 64
-    assert set(saved) >= {"agent", "optimizer", "reward_rms", "rng", "args", "global_step", "iteration"}
-    assert len(saved["reward_rms"]) == 2  # one reward normalizer per actor
+    assert saved["updates"] == 2 * saved["iteration"]
+    assert set(saved) >= {"agent", "optimizer", "reward_rms", "rng", "args", "global_step", "iteration", "updates"}
+    assert saved["reward_rms"]["count"] == pytest.approx(1e-4 + saved["global_step"], abs=1e-9)
 
     result = run_script("--resume", path, "--eval-episodes", "2")
     assert result.returncode == 0, result.stderr
@@ -269,7 +488,9 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert all(set(r) == ITERATION_KEYS | lag_keys(3) for r in iterations)
     assert all(r["policy_lag/max"] <= 3 for r in iterations)
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["global_step"] == total
-    assert torch.load(path, weights_only=False)["iteration"] == 60
+    resumed = load_saved(path)
+    assert resumed["iteration"] == 60 and resumed["updates"] == 120
+    assert resumed["reward_rms"]["count"] == pytest.approx(1e-4 + total, abs=1e-9)  # carried over, then continued
 
     result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video")
     assert result.returncode == 0, result.stderr
@@ -278,10 +499,19 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert os.path.getsize(video) > 1000
 
 
+@CUDA
+def test_actor_and_learner_on_cuda_streams(cue_env, in_tmp):
+    """On a GPU the actor plays on its own stream: a short run trains, logs finite losses and stops cleanly."""
+    cue_env(vtrace)
+    rows = read_rows(vtrace.train(cue_args(total_timesteps=2 * 1280, cuda=True)))
+    iterations = [r for r in rows if "losses/policy_loss" in r]
+    assert len(iterations) == 2 and all(np.isfinite(r["losses/policy_loss"]) for r in iterations)
+    assert iterations[0]["perf/gpu_memory_gb"] > 0 and not actor_threads()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--env-id", "pong"], "--env-id 'pong' is not a Procgen game"),
-    (["--batch-size", "30"], "--batch-size 30 must be a multiple of --envs-per-actor 16"),
-    (["--num-actors", "0"], "--num-actors 0 must be > 0"),
+    (["--num-envs", "0"], "--num-envs 0 must be > 0"),
     (["--max-policy-lag", "-1"], "--max-policy-lag -1 must be >= 0"),
     (["--total-timesteps", "1000"], "--total-timesteps 1000 is less than one iteration"),
     (["--vtrace-lambda", "1.5"], "--vtrace-lambda 1.5 in [0, 1]"),
@@ -294,9 +524,17 @@ def test_bad_flags_fail_with_one_line(flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_rho_bar_below_c_bar_warns(capsys):
+    vtrace.check_args(vtrace.Args(rho_bar=1.0, c_bar=1.0))
+    assert capsys.readouterr().err == ""
+    vtrace.check_args(vtrace.Args(rho_bar=0.5, c_bar=1.0))
+    assert capsys.readouterr().err == ("warning: --rho-bar 0.5 < --c-bar 1.0: V-trace's analysis (IMPALA paper, "
+                                       "Appendix A) assumes rho-bar >= c-bar\n")
+
+
 def test_bad_flag_on_the_command_line_fails_at_once(in_tmp):
-    result = run_script("--batch-size", "30", timeout=60)
+    result = run_script("--num-envs", "8", "--total-timesteps", "100", timeout=60)
     assert result.returncode != 0 and result.stderr.strip().splitlines() == [
-        "error: --batch-size 30 must be a multiple of --envs-per-actor 16 (an actor hands over the unrolls of all its "
-        "games at once); try --batch-size 32"]
+        "error: --total-timesteps 100 is less than one iteration (updates_per_iteration * num_envs * unroll_length "
+        "= 4000)"]
     assert not os.path.exists("runs")
