@@ -634,13 +634,18 @@ def save_checkpoint(path, **state):
     os.replace(path + ".tmp", path)
 
 
-def rank_state(normalizer):
-    """This process's own part of a checkpoint: its reward normalizer's statistics and its RNG states, in the plain
-    types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
+def reward_statistics(normalizer):
+    """A NormalizeReward wrapper's running return statistics as plain floats: [mean, var, count]."""
+    rms = normalizer.return_rms
+    return [float(rms.mean), float(rms.var), float(rms.count)]
+
+
+def rank_state(reward_rms):
+    """This process's own part of a checkpoint: its reward normalizer's statistics (`reward_statistics`) and its RNG
+    states, in the plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
     numpy_rng = np.random.get_state(legacy=False)
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
-    rms = normalizer.return_rms
-    return {"reward_rms": [float(rms.mean), float(rms.var), float(rms.count)],
+    return {"reward_rms": reward_rms,
             "rng": {"python": random.getstate(), "numpy": numpy_rng, "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
 
@@ -789,8 +794,8 @@ def train(args):
 
     def checkpoint_state(iteration):
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
-                    global_step=iteration * batch_size, ranks=gather([rank_state(normalizer)]), kl_beta=kl_beta,
-                    args=asdict(args), run_name=run_name)
+                    global_step=iteration * batch_size, kl_beta=kl_beta, args=asdict(args), run_name=run_name,
+                    ranks=gather([rank_state(reward_statistics(normalizer))]))  # every rank's own state
 
     # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no level is replayed.
     next_obs = to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])

@@ -22,9 +22,12 @@ Read first: `diff ppo_procgen.py vtrace.py` (IMPALA and nothing else), then `tra
 import collections
 import contextlib
 import copy
+import datetime
 import io
 import json
+import math
 import os
+import pickle
 import queue
 import random
 import signal
@@ -37,6 +40,7 @@ from typing import Literal, NamedTuple, Optional, Union
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
@@ -110,6 +114,8 @@ class Args:
     """global gradient-norm clip"""
     adam_eps: float = 1e-5
     """Adam epsilon (baselines PPO uses 1e-5)"""
+    reward_norm_gamma: float = 0.999
+    """discount of the running return whose std divides the rewards (as the Procgen PPO script: the agent's gamma)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -224,11 +230,11 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by the std of a
-    running discounted return (gamma = args.gamma, as in CleanRL) and clipped, as in the Procgen baselines."""
+    running discounted return (discount --reward-norm-gamma) and clipped, as in the Procgen baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
-    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.gamma), -args.reward_clip,
-                      args.reward_clip)
+    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
+                      -args.reward_clip, args.reward_clip)
 
 
 def normed_(layer, scale):
@@ -241,13 +247,13 @@ def normed_(layer, scale):
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, channels, init):
+    def __init__(self, channels, init, scale):
         super().__init__()
-        # sqrt(1/sqrt(3)/sqrt(2)): the PPG code's scale for residual convs, so the residual sum keeps its variance
-        scale = (1 / 3**0.5 / 2**0.5) ** 0.5
-        self.conv0, self.conv1 = (nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
         if init == "normed":
-            normed_(self.conv0, scale), normed_(self.conv1, scale)
+            normed_(self.conv0, scale)
+            normed_(self.conv1, scale)
 
     def forward(self, x):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
@@ -259,14 +265,21 @@ class ImpalaCNN(nn.Module):
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
-        layers, in_channels, size, self.channels_last = [], 3, 64, channels_last
+        self.channels_last = channels_last
+        # The PPG code's normed scale for residual convs: each of the len(channels) stacks adds 1/len(channels) of the
+        # variance, split over its 2 blocks; a block's two convs share that: sqrt(1/sqrt(stacks)/sqrt(2)) per conv.
+        residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
+        layers = []
+        in_channels = 3
+        size = 64
         for out_channels in channels:
             conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
             if init == "normed":
                 normed_(conv, 1.0)
-            layers += [conv, nn.MaxPool2d(3, stride=2, padding=1),
-                       ResidualBlock(out_channels, init), ResidualBlock(out_channels, init)]
-            in_channels, size = out_channels, (size + 1) // 2
+            layers += [conv, nn.MaxPool2d(3, stride=2, padding=1), ResidualBlock(out_channels, init, residual_scale),
+                       ResidualBlock(out_channels, init, residual_scale)]
+            in_channels = out_channels
+            size = (size + 1) // 2
         dense = nn.Linear(in_channels * size * size, hidden_size)
         if init == "normed":
             normed_(dense, 1.4)
@@ -476,6 +489,12 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
 UNROLL_TENSORS = ("obs", "actions", "behaviour_logits", "rewards", "dones")
 
 
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one group; PPG: one per
+    network, so that the value network's gradient cannot shrink the policy's step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
 def vtrace_backward(policy, optimizer, batch, args, autocast):
     """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them ([T+1, B] frames,
     [T, B] the rest); the caller steps the optimizer. pi's logits and values are recomputed on every frame, x_T
@@ -502,8 +521,9 @@ def vtrace_backward(policy, optimizer, batch, args, autocast):
                                                      args.entropy_cost, reduction="mean")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-    if not torch.isfinite(grad_norm):  # one host sync per update: stop before a NaN reaches the weights
+    average_gradients(optimizer)  # data parallel: every rank's learner steps with the mean over all ranks' unrolls
+    grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
+    if not torch.isfinite(grad_norms).all():  # one host sync per update: stop before a NaN reaches the weights
         raise FloatingPointError(f"non-finite loss {loss.item()} or gradient")
     vs = vtrace_returns.vs
     return {"policy_loss": pg_loss.detach(), "value_loss": value_loss.detach(), "entropy": entropy.detach(),
@@ -577,25 +597,41 @@ class PolicySnapshots:
         return version
 
 
+def require(ok, message):
+    if not ok:
+        raise SystemExit(f"error: {message}")
+
+
+def check_ranges(args, positive=(), non_negative=(), fractions=()):
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    for flag in (*positive, *non_negative, *fractions):
+        value = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if value is None:
+            continue
+        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
+        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
+
+
 def check_args(args):
     """Fail at once, before anything heavy is allocated, with one line naming the flag."""
-    def require(ok, message):
-        if not ok:
-            raise SystemExit(f"error: {message}")
     require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
             + ", ".join(PROCGEN_RANGES))
-    for flag in ("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration", "eval_episodes",
-                 "hidden_size", "save_every"):
-        require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
-    for flag in ("num_levels", "start_level", "env_threads", "torch_threads", "eval_every", "max_policy_lag"):
-        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    check_ranges(args, positive=("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration",
+                                 "eval_episodes", "hidden_size", "save_every", "learning_rate", "gamma", "rho_bar",
+                                 "c_bar", "pg_rho_bar", "max_grad_norm", "adam_eps", "reward_norm_gamma",
+                                 "reward_clip"),
+                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
+                               "max_policy_lag", "baseline_cost", "entropy_cost"),
+                 fractions=("gamma", "vtrace_lambda", "reward_norm_gamma"))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
+    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
+            "ranks: each rank's actor steps num_envs / ranks games")
     steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     require(args.total_timesteps >= steps_per_iteration, f"--total-timesteps {args.total_timesteps} is less than one "
             f"iteration (updates_per_iteration * num_envs * unroll_length = {steps_per_iteration})")
-    require(0 < args.gamma <= 1 and 0 <= args.vtrace_lambda <= 1,
-            f"--gamma {args.gamma} must be in (0, 1], --vtrace-lambda {args.vtrace_lambda} in [0, 1]")
-    require(args.learning_rate > 0 and min(args.rho_bar, args.c_bar, args.pg_rho_bar) > 0,
-            "--learning-rate, --rho-bar, --c-bar and --pg-rho-bar must be > 0")
     require(args.correction in ("vtrace", "none"), f"--correction {args.correction!r}: choose vtrace or none")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
@@ -615,72 +651,199 @@ def thread_budget(args, device):
     learner's updates 1.2-1.5x slower than with 1); procgen gets one thread. On GPU procgen gets the cores and torch
     one thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
     return env_threads, torch_threads
 
 
+def setup_distributed(args):
+    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global), WORLD_SIZE and
+    LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0 of 1, with no process group.
+    NCCL connects GPUs, gloo CPUs; a collective that a failed rank never joins times out after 10 minutes (torchrun
+    itself stops the other ranks 30 s after one fails)."""
+    rank = int(os.environ.get("RANK", 0))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
+    return rank, int(os.environ.get("WORLD_SIZE", 1)), device
+
+
+def all_reduce_mean(tensor):
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def average_gradients(optimizer):
+    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient of the whole
+    minibatch, all ranks alike. A parameter left out of the loss has no gradient on any rank."""
+    if not dist.is_initialized():
+        return
+    grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    flat = all_reduce_mean(torch.cat([grad.flatten() for grad in grads]))
+    for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(mean.view_as(grad))
+
+
+def gather(items):
+    """Every rank's list `items`, concatenated in rank order, on every rank."""
+    if not dist.is_initialized():
+        return items
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, items)
+    return [item for rank_items in per_rank for item in rank_items]
+
+
 def catch_interrupt():
-    """The first Ctrl-C only raises a flag that the training loop reads where it can stop cleanly, so a checkpoint
-    never holds half an update; a second Ctrl-C stops at once (keeping the last checkpoint)."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
+    records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
+    128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
+    last checkpoint); under torchrun a process gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so
+    a repeat within 2 s counts once. `train` restores the default handlers when it returns."""
     requested = []
+    first_time = []
 
     def handler(signum, frame):
-        if requested:
+        if requested and time.time() - first_time[0] > 2:
             raise KeyboardInterrupt
-        requested.append(True)
-        print("\nCtrl-C: stopping at the next clean point to save a checkpoint (Ctrl-C again: stop now)", flush=True)
+        if requested:
+            return
+        requested.append(signum)
+        first_time.append(time.time())
+        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
+              "signal stops at once)", flush=True)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
     return requested
 
 
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl and, with --track, to wandb (step = global_step)."""
+    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard event files in the
+    same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
+    and, with --track, to wandb."""
 
-    def __init__(self, args, run_name, run_dir, resume_iteration=None):
+    def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
+        self.file = None
+        if rank > 0:  # rank 0 writes for all ranks
+            return
+        os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
+        purge_step = None
         if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
             with open(path) as f:
-                kept = [line for line in f if json.loads(line)["iteration"] <= resume_iteration]
+                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a crash may leave half a line
+            kept = [row for row in rows if row["iteration"] <= resume_iteration]
             with open(path, "w") as f:
-                f.writelines(kept)
+                f.writelines(json.dumps(row) + "\n" for row in kept)
+            purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
-        self.file, self.wandb = open(path, "a"), None
+        self.file = open(path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+        self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
+        self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
+                                                                             for key, value in asdict(args).items()))
+        self.wandb = None
         if args.track:
             import wandb
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
                                     name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
 
     def log(self, row, video=None):
+        if self.file is None:
+            return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        for key, value in row.items():
+            if "/" in key and isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, row["global_step"])
+        if video:  # TensorBoard shows a video as an animated GIF; torch's add_video would need moviepy
+            import imageio.v3 as iio
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
+            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
+            image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
+            self.tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]),
+                                                     row["global_step"])
+        self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
             self.wandb.log({**row, **({"eval/video": wandb.Video(video, format="mp4")} if video else {})},
                            step=row["global_step"])
 
     def close(self):
+        if self.file is None:
+            return
         self.file.close()
+        self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 
 
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only,
+    every rank's part gathered; rank 0 writes it."""
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
+def reward_statistics(normalizer):
+    """A NormalizeReward wrapper's running return statistics as plain floats: [mean, var, count]."""
+    rms = normalizer.return_rms
+    return [float(rms.mean), float(rms.var), float(rms.count)]
+
+
+def rank_state(reward_rms):
+    """This process's own part of a checkpoint: its reward normalizer's statistics (`reward_statistics`) and its RNG
+    states, in the plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
+    numpy_rng = np.random.get_state(legacy=False)
+    numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
+    return {"reward_rms": reward_rms,
+            "rng": {"python": random.getstate(), "numpy": numpy_rng, "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
+
+
+def restore_rank_state(state, normalizer):
+    mean, var, count = state["reward_rms"]
+    normalizer.return_rms.mean = np.float64(mean)
+    normalizer.return_rms.var = np.float64(var)
+    normalizer.return_rms.count = count
+    random.setstate(state["rng"]["python"])
+    numpy_rng = state["rng"]["numpy"]
+    numpy_rng["state"]["key"] = np.array(numpy_rng["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_rng)
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+
+
 def load_checkpoint(path, args):
-    """The checkpoint's args win, except the RUNTIME_FLAGS given on this command line."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    """Tensors and plain data only (weights_only=True: loading a file never runs code from it); every failure is one
+    line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS given on this command line."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
+        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), "a Python object")
+        raise SystemExit(f"error: {path}: refused to load ({found}); a checkpoint holds only tensors and plain "
+                         "data (those of this script's first version, which pickled numpy RNG states, are refused too)")
+    except Exception as error:  # truncated, not a zip archive, not a torch file at all
+        raise SystemExit(f"error: {path} is damaged or not a checkpoint ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0].split('. ')[0][:100]})")
+    missing = {"agent", "args", "iteration", "ranks"} - set(checkpoint if isinstance(checkpoint, dict) else ())
+    require(not missing, f"{path} is not a checkpoint of {os.path.basename(__file__)} (missing {sorted(missing)})")
     saved = {**checkpoint["args"], **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS}}
     unknown = set(saved) - set(Args.__dataclass_fields__)
-    if unknown:
-        raise SystemExit(f"error: {path} was written by another script (it has flags {sorted(unknown)})")
+    require(not unknown, f"{path} was written by another script (it has flags {sorted(unknown)})")
     return checkpoint, Args(**{**saved, "channels": tuple(saved["channels"]),
                                "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
 
@@ -692,14 +855,17 @@ def write_video(path, frames, fps=15):
 
 
 @torch.no_grad()
-def evaluate(agent, args, device, seed, video_path=None):
-    """Mean raw return of the stochastic policy, one episode per env, on levels drawn from the unbounded level
+def evaluate(agent, args, device, num_episodes, seed, video_path=None):
+    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded level
     distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
     not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(args.eval_episodes, args.env_id, args.distribution_mode, 0, 0,
+    if num_episodes == 0:  # more ranks than evaluation episodes
+        return []
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
                                                  args.env_threads))
     obs, _ = envs.reset(seed=seed)
-    returns, frames = np.full(args.eval_episodes, np.nan), [obs[0]]
+    returns = np.full(num_episodes, np.nan)
+    frames = [obs[0]]
     while np.isnan(returns).any():
         logits, _ = agent(torch.as_tensor(obs, device=device))
         obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
@@ -711,32 +877,35 @@ def evaluate(agent, args, device, seed, video_path=None):
     envs.close()
     if video_path:
         write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
-    return float(returns.mean())
+    return returns.tolist()
 
 
 def train(args):
     check_args(args)
     if args.resume or args.eval_only:
         checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+        saved_ranks = len(checkpoint["ranks"])  # each rank's reward statistics and RNG states are its own
+        require(args.eval_only or saved_ranks == int(os.environ.get("WORLD_SIZE", 1)), f"--resume {args.resume} was "
+                f"written by {saved_ranks} ranks: resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+    rank, world_size, device = setup_distributed(args)
+    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
     steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     num_iterations = args.total_timesteps // steps_per_iteration
     if num_iterations * steps_per_iteration != args.total_timesteps and not args.eval_only:
         print(f"note: training {num_iterations * steps_per_iteration:,} steps ({num_iterations} whole iterations)")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)  # each rank its own actions (and, below, its own levels)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.env_threads, torch_threads = thread_budget(args, device)
     torch.set_num_threads(torch_threads)
-    autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.amp and device.type == "cuda")
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
     start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
     run_name = checkpoint["run_name"] if args.resume else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
     run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
-    os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir, resume_iteration=start_iteration - 1 if args.resume else None)
+    logger = Logger(args, run_name, run_dir, rank, resume_iteration=start_iteration - 1 if args.resume else None)
 
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -744,12 +913,17 @@ def train(args):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     if args.resume or args.eval_only:
         agent.load_state_dict(checkpoint["agent"])
+    for tensor in agent.state_dict().values() if dist.is_initialized() else ():  # all ranks start from rank 0's
+        dist.broadcast(tensor, src=0)
     policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
 
     def run_evaluation(iteration, global_step):
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video else None
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video and rank == 0 \
+            else None
         start = time.time()
-        eval_return = evaluate(agent, args, device, seed=args.seed + 10**6 + iteration, video_path=video)
+        eval_return = float(np.mean(gather(evaluate(  # the ranks share the episodes
+            agent, args, device, len(range(rank, args.eval_episodes, world_size)),
+            seed=args.seed + 10**6 + iteration * world_size + rank, video_path=video))))
         score = normalized_score(args.env_id, args.distribution_mode, eval_return)
         logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
                     "eval/normalized_score": score, "time/eval": time.time() - start}, video)
@@ -759,22 +933,24 @@ def train(args):
 
     if args.eval_only:
         run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
-        return logger.close()
+        logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return run_dir
 
     # The actor is one thread of this process (procgen is not fork-safe; no copies between processes): it steps all
     # games as one batch, behind one reward normalizer, with its own copy of the network, its own random generator and,
     # on a GPU, its own CUDA stream, so its forward passes and the learner's backward passes can run at the same time.
     # In Python the two threads still take turns under the GIL; procgen's stepping and torch's kernels run without it.
-    envs = make_env(args, args.num_envs)
+    envs = make_env(args, local_envs)
     actor_agent = copy.deepcopy(agent)
     actor_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration) so that no level is replayed.
-    generator = torch.Generator(device).manual_seed(args.seed + start_iteration - 1)
+    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so that no level is replayed.
+    env_seed = args.seed + (start_iteration - 1) * world_size + rank
+    generator = torch.Generator(device).manual_seed(env_seed)
     if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        envs.env.return_rms.mean = np.array(checkpoint["reward_rms"]["mean"])
-        envs.env.return_rms.var = np.array(checkpoint["reward_rms"]["var"])
-        envs.env.return_rms.count = checkpoint["reward_rms"]["count"]
+        restore_rank_state(checkpoint["ranks"][rank], envs.env)
         print(f"resuming {run_name} at iteration {start_iteration}")
     # version: the learner's updates so far, the number of the parameters it publishes; update n trains on unroll n.
     version = checkpoint["updates"] if args.resume else 0
@@ -785,14 +961,10 @@ def train(args):
     stop = threading.Event()
     errors = []
 
-    def normalizer_state():  # plain floats: a checkpoint holds no numpy objects
-        rms = envs.env.return_rms
-        return {"mean": float(rms.mean), "var": float(rms.var), "count": float(rms.count)}
-
     def actor():  # play unroll n with parameters at most k updates old (exactly k with --deterministic-lag); repeat
         try:
             with torch.cuda.stream(actor_stream) if actor_stream is not None else contextlib.nullcontext():
-                obs = torch.as_tensor(envs.reset(seed=args.seed + start_iteration - 1)[0], device=device)
+                obs = torch.as_tensor(envs.reset(seed=env_seed)[0], device=device)
                 unroll_index = first_version
                 while True:
                     wait_start = time.time()
@@ -804,7 +976,8 @@ def train(args):
                     unroll = collect_unroll(actor_agent, envs, obs, args.unroll_length, autocast, generator)
                     obs = unroll["obs"][-1]
                     # The normalizer as it is between two unrolls: what a checkpoint after this unroll's update holds.
-                    unroll.update(version=behaviour_version, reward_rms=normalizer_state(), ready=stream_event(device),
+                    unroll.update(version=behaviour_version, reward_rms=reward_statistics(envs.env),
+                                  ready=stream_event(device),
                                   actor_wait=play_start - wait_start, actor_play=time.time() - play_start)
                     unrolls.put(unroll)
                     unroll_index += 1
@@ -821,12 +994,12 @@ def train(args):
         stop.set()
         thread.join()
 
-    reward_rms = normalizer_state()  # after the last unroll trained on (the actor may be playing the next ones)
+    reward_rms = reward_statistics(envs.env)  # after the last unroll trained on (the actor may be playing on)
 
     def checkpoint_state(iteration):  # `updates`: the optimizer steps in these weights (a NaN stops mid-iteration)
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, updates=version,
-                    global_step=iteration * steps_per_iteration, reward_rms=reward_rms, args=asdict(args),
-                    run_name=run_name)
+                    global_step=iteration * steps_per_iteration, args=asdict(args), run_name=run_name,
+                    ranks=gather([rank_state(reward_rms)]))  # every rank's own state
 
     thread = threading.Thread(target=actor, name="actor", daemon=True)
     thread.start()
@@ -839,7 +1012,8 @@ def train(args):
     try:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
+                for group in optimizer.param_groups:
+                    group["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
             times = collections.Counter()
             lags = []
             stats = []
@@ -874,10 +1048,14 @@ def train(args):
             # k = 0..max_policy_lag (updates whose unroll was played with parameters k updates old), time/{wait, learn}
             # (the learner waiting for unrolls, and learning), time/{actor_wait, actor_play} (the actor waiting for
             # parameters, and playing, for this iteration's unrolls), perf/gpu_memory_gb (peak; None on CPU).
+            episode_returns = gather(episode_returns)  # every rank's episodes and lags count
+            episode_lengths = gather(episode_lengths)
+            lags = gather(lags)
             recent_returns.extend(episode_returns)
             sps = (global_step - start_step) / (time.time() - start_time)
             average = lambda xs: float(np.mean(xs)) if len(xs) else None
-            losses = dict(zip(stats[0], torch.stack([torch.stack(list(s.values())) for s in stats]).mean(0).tolist()))
+            means = all_reduce_mean(torch.stack([torch.stack(list(update.values())) for update in stats]).mean(0))
+            losses = dict(zip(stats[0], means.tolist()))
             lag_counts = np.bincount(lags, minlength=args.max_policy_lag + 1).tolist()
             logger.log({"global_step": global_step, "iteration": iteration, "time": time.time() - start_time,
                         "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
@@ -903,11 +1081,13 @@ def train(args):
                 run_evaluation(iteration, global_step)
             if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            if interrupted:  # Ctrl-C: stop here, between iterations, with nothing half done (the actor first)
+            if all_reduce_mean(torch.tensor(float(bool(interrupted)), device=device)) > 0:  # any rank's signal
+                signum = interrupted[0] if interrupted else signal.SIGTERM  # stops all, here, with nothing half done
                 stop_actor()
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted: saved iteration {iteration} to {run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(130)
+                print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
+                      f"{run_dir}/checkpoint.pt; continue with --resume")
+                raise SystemExit(128 + signum)
     except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
         stop_actor()
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
@@ -916,9 +1096,12 @@ def train(args):
                          f"step, after {version} updates, are saved in {path}")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         stop_actor()
         envs.close()
         logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return run_dir
 
 

@@ -14,7 +14,8 @@ under torchrun with N ranks (data parallel; SPS counts the steps of all ranks):
  Reports, per configuration: SPS (median and min-max over the
 measured iterations of all rounds; "overall" divides all measured steps by all measured time, PPG's auxiliary phases
 included), the median seconds per iteration of each phase the script logs (time/*: env stepping, rollout = env +
-policy inference + host-device copies, update; PPG's auxiliary phase; V-trace's learner wait and learn), peak host RSS
+policy inference + host-device copies, update; PPG's auxiliary phase; IMPALA's learner waiting for unrolls and
+learning, its actor waiting for parameters and playing), peak host RSS
 of the process and peak GPU memory; then each configuration's SPS over the first one's, per round (median quoted).
 Writes the same as JSON (--out).
 """
@@ -39,8 +40,8 @@ def steps_per_iteration(script, flags):
     sys.path.insert(0, ROOT)
     module = importlib.import_module(os.path.splitext(script)[0])
     args = tyro.cli(module.Args, args=flags)
-    if hasattr(args, "updates_per_iteration"):  # vtrace.py: updates x unrolls per update x unroll length
-        return args.updates_per_iteration * args.batch_size * args.unroll_length
+    if hasattr(args, "updates_per_iteration"):  # vtrace.py: updates x unrolls per update (one per game) x unroll length
+        return args.updates_per_iteration * args.num_envs * args.unroll_length
     return args.num_envs * args.num_steps
 
 

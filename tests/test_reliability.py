@@ -12,8 +12,9 @@ import torch
 
 import ppg_procgen
 import ppo_procgen
+import vtrace
 
-SCRIPTS = {"ppo_procgen.py": ppo_procgen, "ppg_procgen.py": ppg_procgen}
+SCRIPTS = {"ppo_procgen.py": ppo_procgen, "ppg_procgen.py": ppg_procgen, "vtrace.py": vtrace}
 
 # One bad value per numeric flag, with the words of the one-line error. Every numeric field of every script's Args
 # must appear here (test_every_numeric_flag_is_in_the_table).
@@ -30,7 +31,11 @@ BAD_VALUES = {
     "torch_threads": (-2, "must be >= 0"), "n_pi": (0, "must be > 0"), "e_pi": (0, "must be > 0"),
     "e_v": (0, "must be > 0"), "e_aux": (-1, "must be >= 0"), "beta_clone": (float("-inf"), "must be finite"),
     "num_aux_rollouts": (0, "must be > 0"), "n_aux_grad_accum": (0, "must be > 0"), "kl_beta": (-1.0, "must be >= 0"),
-    "reward_norm_gamma": (1.5, "must be in [0, 1]"),
+    "reward_norm_gamma": (1.5, "must be in [0, 1]"), "unroll_length": (0, "must be > 0"),
+    "updates_per_iteration": (0, "must be > 0"), "max_policy_lag": (-1, "must be >= 0"),
+    "rho_bar": (float("nan"), "must be finite"), "c_bar": (0.0, "must be > 0"), "pg_rho_bar": (-1.0, "must be > 0"),
+    "vtrace_lambda": (1.5, "must be in [0, 1]"), "baseline_cost": (-0.5, "must be >= 0"),
+    "entropy_cost": (float("inf"), "must be finite"),
 }
 
 
@@ -95,9 +100,11 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(script, tmp_path):
 def test_damaged_foreign_and_old_checkpoints_fail_with_one_line(script, tmp_path, monkeypatch):
     module = SCRIPTS[script]
     monkeypatch.chdir(tmp_path)
-    args = module.Args(env_id="bigfish", num_envs=2, num_steps=8, num_minibatches=1, total_timesteps=16,
-                       channels=(4,), hidden_size=8, eval_episodes=1, save_model=True, save_every=1,
-                       **({"n_pi": 1} if module is ppg_procgen else {}))
+    tiny = {ppo_procgen: dict(num_steps=8, num_minibatches=1, total_timesteps=16),
+            ppg_procgen: dict(num_steps=8, num_minibatches=1, total_timesteps=16, n_pi=1),
+            vtrace: dict(unroll_length=8, updates_per_iteration=1, total_timesteps=16)}[module]
+    args = module.Args(env_id="bigfish", num_envs=2, channels=(4,), hidden_size=8, eval_episodes=1, save_model=True,
+                       save_every=1, **tiny)
     run_dir = module.train(args)
     good = os.path.join(run_dir, "checkpoint.pt")
     checkpoint, _ = module.load_checkpoint(good, module.Args(resume=good))  # the real thing loads
