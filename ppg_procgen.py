@@ -24,6 +24,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
+# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so imported
+# later (torch.optim imports it on first use) it would keep the group and gloo's threads alive past
+# destroy_process_group, and such a thread can abort the process as it exits.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro

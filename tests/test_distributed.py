@@ -16,11 +16,15 @@ from conftest import ROOT
 
 import ppg_procgen
 import ppo_procgen
+import vtrace
 
 DRIVER = os.path.join(ROOT, "tests", "torchrun_driver.py")
-TINY = ["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--channels", "4", "--hidden-size", "8",
-        "--eval-episodes", "3", "--eval-every", "0", "--save-model", "--save-every", "2"]
-SCRIPT_FLAGS = {"ppo_procgen.py": ["--update-epochs", "1"], "ppg_procgen.py": ["--n-pi", "2", "--e-aux", "1"]}
+TINY = ["--num-envs", "4", "--channels", "4", "--hidden-size", "8", "--eval-episodes", "3", "--eval-every", "0",
+        "--save-model", "--save-every", "2"]
+# 64 steps per iteration, in 4 games: CueEnv's 8-step episodes make 8 of them per iteration, 4 in each rank's games
+SCRIPT_FLAGS = {"ppo_procgen.py": ["--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "1"],
+                "ppg_procgen.py": ["--num-steps", "16", "--num-minibatches", "2", "--n-pi", "2", "--e-aux", "1"],
+                "vtrace.py": ["--unroll-length", "8", "--updates-per-iteration", "2", "--max-policy-lag", "1"]}
 
 
 def torchrun(*arguments, env=None, **popen):
@@ -29,30 +33,35 @@ def torchrun(*arguments, env=None, **popen):
                             env={**os.environ, "CUE_ENV": "1", **(env or {})}, **popen)
 
 
+def briefly(output):
+    """The output without its per-iteration lines, so that a failure's message (CI prints a part) shows the error."""
+    return "\n".join(line for line in output.splitlines() if not line.startswith(("iter ", "aux phase:")))
+
+
 def read_rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 def test_two_ranks_take_the_step_of_one_process_on_the_whole_minibatch():
-    """PPO's update (advantages normalized over the global minibatch) and PPG's auxiliary phase."""
+    """PPO's update (advantages normalized over the global minibatch), PPG's auxiliary phase, IMPALA's learner."""
     process = torchrun(os.path.join(ROOT, "tests", "distributed_exactness.py"))
     output = process.communicate(timeout=300)[0]
-    assert process.returncode == 0, output
-    assert "ppo: weights moved" in output and "ppg: weights moved" in output
+    assert process.returncode == 0, briefly(output)
+    assert all(f"{name}: weights moved" in output for name in ("ppo", "ppg", "vtrace")), briefly(output)
 
 
-@pytest.mark.parametrize("script", ["ppo_procgen.py", "ppg_procgen.py"])
+@pytest.mark.parametrize("script", ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py"])
 def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
     flags = [*TINY, *SCRIPT_FLAGS[script], "--total-timesteps", str(64 * 40)]
     process = torchrun(DRIVER, script, *flags)
     deadline = time.time() + 240
     while not glob.glob("runs/*/checkpoint.pt"):
-        assert time.time() < deadline and process.poll() is None, process.communicate()[0]
+        assert time.time() < deadline and process.poll() is None, briefly(process.communicate()[0])
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both ranks
     output = process.communicate(timeout=120)[0]
-    assert process.returncode != 0 and "interrupted by SIGTERM: saved iteration" in output, output
+    assert process.returncode != 0 and "interrupted by SIGTERM: saved iteration" in output, briefly(output)
     (run_dir,) = glob.glob("runs/*")
     path = os.path.join(run_dir, "checkpoint.pt")
     saved = torch.load(path, weights_only=True)
@@ -61,7 +70,7 @@ def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
 
     process = torchrun(DRIVER, script, "--resume", path)
     output = process.communicate(timeout=300)[0]
-    assert process.returncode == 0, output
+    assert process.returncode == 0, briefly(output)
     rows = [row for row in read_rows(run_dir) if "losses/policy_loss" in row]
     assert [row["iteration"] for row in rows] == list(range(1, 41))  # every iteration exactly once
     assert rows[-1]["global_step"] == 64 * 40  # --num-envs and the step budget are global
@@ -78,18 +87,20 @@ def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
 
 def test_a_rank_that_raises_stops_the_other(in_tmp):
     start = time.time()
-    process = torchrun(DRIVER, "ppo_procgen.py", *TINY, "--update-epochs", "1", "--total-timesteps", str(64 * 1000),
-                       env={"FAIL_RANK": "1", "FAIL_FUNCTION": "compute_gae"})
+    process = torchrun(DRIVER, "ppo_procgen.py", *TINY, *SCRIPT_FLAGS["ppo_procgen.py"], "--total-timesteps",
+                       str(64 * 1000), env={"FAIL_RANK": "1", "FAIL_FUNCTION": "compute_gae"})
     output = process.communicate(timeout=180)[0]
-    assert process.returncode != 0 and "RuntimeError: injected failure on rank 1" in output, output
+    assert process.returncode != 0 and "RuntimeError: injected failure on rank 1" in output, briefly(output)
     assert time.time() - start < 120
 
 
-@pytest.mark.parametrize("module", [ppo_procgen, ppg_procgen])
+@pytest.mark.parametrize("module", [ppo_procgen, ppg_procgen, vtrace])
 def test_flags_that_do_not_split_over_the_ranks_fail_at_once(module, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(SystemExit, match="--num-envs 64 must be a multiple of the 3 ranks"):
+    with pytest.raises(SystemExit, match=f"--num-envs {module.Args().num_envs} must be a multiple of the 3 ranks"):
         module.check_args(module.Args())
+    if module is vtrace:  # one update per unroll of all games: nothing else splits
+        return
     monkeypatch.setenv("WORLD_SIZE", "4")  # 8 games x 6 steps split 8 ways, but 2 games x 6 steps per rank do not
     with pytest.raises(SystemExit, match=r"--num-minibatches 8 must divide the batch size 12 \(num_envs \* "
                                          r"num_steps / 4 ranks\)"):
