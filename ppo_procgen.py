@@ -891,7 +891,8 @@ def train(args):
         path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
         save_checkpoint(path, **checkpoint_state(completed))
         raise SystemExit(f"error: {error} after iteration {completed}; the weights before that step are saved in "
-                         f"{path} (resume it with a lower --learning-rate, say)")
+                         f"{path} (evaluate them with --eval-only --checkpoint; a new run with a lower "
+                         f"--learning-rate may avoid it: --resume keeps the checkpoint's flags)")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

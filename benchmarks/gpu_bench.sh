@@ -6,10 +6,12 @@
 #   ppo.json, ppg.json, impala.json        2. SPS at the default hyperparameters, plain path (NCHW, eager, float32)
 #                                             against the fast path (channels_last, torch.compile, bf16 autocast,
 #                                             cuDNN autotuning), alternated A B; PPG over a whole phase with its
-#                                             auxiliary phase; IMPALA with the time the learner waits for unrolls
+#                                             auxiliary phase; IMPALA synchronous (lag 0) against overlapped
+#                                             (lag 1), plain and fast, with the time the learner waits for unrolls
 #   starpilot_easy.png, aggregate.md,      3. a short PPO-vs-PPG learning run on StarPilot (2 seeds each, fast path,
 #   runs.tar.gz                               two runs at a time), turned into a figure and a table by results.py;
 #                                             the runs' metrics.jsonl and args.json in the archive
+#                                          4. a one-rank torchrun run of PPO (the NCCL path), 2 iterations
 # Run from the repo root on a CUDA machine after `pip install -r requirements.txt`: bash benchmarks/gpu_bench.sh
 # On the machine the device tool lends, carry the wheels of benchmarks/gpu_wheels.sh (its header has the command).
 # DRY_RUN=1 only prints the commands (tests/test_speed.py checks that they parse). Each step's size is a variable.
@@ -50,8 +52,10 @@ print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda)"
     # N_pi = 32 iterations, then the auxiliary phase: "overall" SPS counts the auxiliary phase.
     step ppg-sps "$python" benchmarks/bench.py --script ppg_procgen.py --iterations "${PPG_ITERATIONS:-33}" \
         --warmup 2 --config plain="$plain" --config fast="$fast" --out "$out/ppg.json"
+    # IMPALA: synchronous (lag 0) against the default overlap of acting and learning (lag 1), then the fast path.
     step impala-sps "$python" benchmarks/bench.py --script vtrace.py --iterations "${IMPALA_ITERATIONS:-6}" \
-        --warmup 2 --config plain="$plain" --config fast="$fast" --out "$out/impala.json"
+        --warmup 2 --config sync="$plain --max-policy-lag 0" --config overlap="$plain --max-policy-lag 1" \
+        --config overlap_fast="$fast --max-policy-lag 1" --out "$out/impala.json"
     if [ -n "${DRY_RUN:-}" ]; then
         echo "learn ppo_procgen.py ppg_procgen.py x seeds 1 2: $python SCRIPT --env-id starpilot --seed SEED" \
             "--total-timesteps $learn_steps --eval-every 20 $fast"
@@ -66,6 +70,10 @@ print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda)"
         echo "== learning: $((SECONDS - start)) s"
     fi
     step results "$python" benchmarks/results.py runs --out "$out/results"
+    # After results.py, which should not see this run: the NCCL path of the data-parallel set-up, one rank on the one
+    # GPU (init, broadcast, all-reduce, a checkpoint), 2 iterations.
+    step nccl-smoke "$python" -m torch.distributed.run --standalone --nproc-per-node 1 ppo_procgen.py \
+        --env-id starpilot --total-timesteps 32768 --eval-episodes 4 --save-model --exp-name nccl_smoke
     if [ -z "${DRY_RUN:-}" ]; then
         cp "$out"/results/*.png "$out"/results/aggregate.md "$out"/ 2>/dev/null
         rm -rf "$out/results"

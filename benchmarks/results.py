@@ -15,8 +15,8 @@ stems read PPO, PPG and IMPALA, any other name is shown as given), game, distrib
 A crashed run is read up to its last complete row and marked partial, as is a run that stopped short of its steps.
 
 The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice" (NeurIPS), as in
-their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch); docs/
-results_howto.md records a cross-check against rliable 1.2.0.
+their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch);
+README.md ("Why not rliable itself") records a cross-check against rliable 1.2.0.
 """
 import json
 import os

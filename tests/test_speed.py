@@ -77,3 +77,53 @@ def test_channels_last_flag_sets_the_convolutions_input_layout(channels_last):
     cnn(torch.zeros(2, 64, 64, 3, dtype=torch.uint8))
     assert seen[0].is_contiguous(memory_format=torch.channels_last) == channels_last
     assert seen[0].is_contiguous() == (not channels_last)
+
+
+def test_gpu_bench_dry_run_flags_parse():
+    """The prepared GPU check runs only on a lent GPU machine: its every command's flags must parse here first."""
+    import importlib
+    import shlex
+    import subprocess
+
+    import tyro
+    listing = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, text=True,
+                             capture_output=True, env={**os.environ, "DRY_RUN": "1"}, check=True).stdout
+    parsed = []
+    for line in listing.splitlines():
+        words = shlex.split(line)
+        if "bench.py" in line:
+            script = words[words.index("--script") + 1]
+            flag_sets = [words[i + 1].split("=", 1)[1] for i, word in enumerate(words) if word == "--config"]
+        elif line.startswith("learn "):
+            script, flag_sets = "ppo_procgen.py", [line.split("SCRIPT ", 1)[1].replace("SEED", "1")]
+        elif "torch.distributed.run" in line:
+            script = next(word for word in words if word.endswith(".py"))
+            flag_sets = [shlex.join(words[words.index(script) + 1:])]
+        else:
+            continue
+        module = importlib.import_module(os.path.splitext(script)[0])
+        for flags in flag_sets:
+            args = tyro.cli(module.Args, args=shlex.split(flags))
+            module.check_args(args)
+            parsed.append((script, flags))
+    assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
+    assert len(parsed) == 2 + 2 + 3 + 1 + 1, parsed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
+@pytest.mark.parametrize("script", ["ppo_procgen", "ppg_procgen", "vtrace"])
+def test_cuda_fast_path_trains_with_finite_losses(script, in_tmp):
+    """On a GPU: the fast path (channels_last, torch.compile, bf16 autocast, cuDNN autotuning) trains every script,
+    with rollout storage on the device, and its losses stay finite. (bf16 changes the sampled actions, so the losses
+    are not compared with the plain path's: tests/test_ppo.py checks that --amp learns.)"""
+    import importlib
+    module = importlib.import_module(script)
+    common = dict(env_id="bigfish", num_envs=4, channels=(4, 8), hidden_size=16, eval_episodes=2, cuda=True)
+    common.update(dict(unroll_length=8, updates_per_iteration=2, total_timesteps=128) if script == "vtrace" else
+                  dict(num_steps=16, num_minibatches=2, total_timesteps=128))
+    if script == "ppg_procgen":
+        common.update(n_pi=2, e_aux=1)
+    fast = losses(module.train(module.Args(**common, channels_last=True, compile=True, amp=True,
+                                           torch_deterministic=False)))
+    trained = fast[~np.isnan(fast[:, 0]), :3]  # the rows with losses (evaluation rows have none)
+    assert len(trained) >= 2 and np.isfinite(trained).all()
