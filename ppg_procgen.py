@@ -844,7 +844,7 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured on this
 # project's 2-core VMs (README, Speed).
-CPU_NOTE = ("note: no GPU found. On a 2-core CPU one phase at the defaults (32 iterations, then the auxiliary "
+CPU_NOTE = ("note: training on the CPU. On a 2-core CPU one phase at the defaults (32 iterations, then the auxiliary "
             "phase) takes about 4.7 hours (estimated from measured iterations: 31 steps/s, so 25M steps take over a "
             "week). A run that finishes in about 6 minutes there: python ppg_procgen.py --num-envs 16 --num-steps 64 "
             "--num-minibatches 4 --n-pi 4 --total-timesteps 16384. --amp (bfloat16) ran PPO 1.8x faster on a CPU "
