@@ -190,7 +190,8 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self._make = lambda seed: ProcgenGym3Env(
             num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
             start_level=start_level, rand_seed=seed, num_threads=num_threads)
-        self.num_envs, self.env = num_envs, None
+        self.num_envs = num_envs
+        self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
         self.single_action_space = gym.spaces.Discrete(15)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
@@ -815,8 +816,11 @@ def train(args):
     # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no level is replayed.
     next_obs = to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
     next_done = torch.zeros(local_envs, device=device)
-    global_step, completed = (start_iteration - 1) * batch_size, start_iteration - 1
-    start_time, start_step, recent_returns = time.time(), global_step, collections.deque(maxlen=100)
+    completed = start_iteration - 1  # iterations done (and checkpointed)
+    global_step = completed * batch_size
+    start_time = time.time()
+    start_step = global_step
+    recent_returns = collections.deque(maxlen=100)
     interrupted = catch_interrupt()
     try:
         for iteration in range(start_iteration, num_iterations + 1):
@@ -825,10 +829,14 @@ def train(args):
                     group["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
 
             # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
-            rollout_start, env_time, episode_returns, episode_lengths = time.time(), 0.0, [], []
+            rollout_start = time.time()
+            env_time = 0.0
+            episode_returns = []
+            episode_lengths = []
             for step in range(args.num_steps):
                 global_step += args.num_envs
-                obs[step], dones[step] = next_obs, next_done
+                obs[step] = next_obs
+                dones[step] = next_done
                 with torch.no_grad(), autocast():
                     logits, value = policy(next_obs)
                 action = sample_action(logits.float())
@@ -848,7 +856,8 @@ def train(args):
                     episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
             with torch.no_grad(), autocast():
                 next_value = policy(next_obs)[1].float()
-            rollout_time, update_start = time.time() - rollout_start, time.time()
+            rollout_time = time.time() - rollout_start
+            update_start = time.time()
 
             # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
             advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)

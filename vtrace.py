@@ -210,7 +210,8 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self._make = lambda seed: ProcgenGym3Env(
             num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
             start_level=start_level, rand_seed=seed, num_threads=num_threads)
-        self.num_envs, self.env = num_envs, None
+        self.num_envs = num_envs
+        self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
         self.single_action_space = gym.spaces.Discrete(15)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
