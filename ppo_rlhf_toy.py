@@ -1,77 +1,10 @@
-"""RLHF with PPO, end to end, on a toy language small enough to train in minutes on a CPU.
-
-The stages, in the order `train` runs them (the file's sections carry the same numbers):
-1. a synthetic sentiment language with a HIDDEN gold reward (`judge`);
-2. SFT of a tiny causal transformer on it: the initial policy and the frozen reference pi_ref;
-3. preference pairs of SFT samples, labelled by a Bradley-Terry coin flip of the gold reward;
-4. a reward model (RM) trained on them (InstructGPT Eq. 1);
-5. PPO against the RM with a per-token KL penalty to pi_ref (InstructGPT Eq. 2; Ziegler et al. 2019, arXiv
-   1909.08593; Stiennon et al. 2020), optionally PPO-ptx;
-6. evaluation against the gold reward, with a best-of-n baseline.
-The gold reward gates grammar and penalises repeated adjectives, which the preference data almost never shows, so
-the RM can be over-optimised (Gao et al. 2022, arXiv 2210.10760): `--sweep` shows it. Look first at
-`collect_rollout` and `ppo_losses`. Implementation details (EOS, padding, temperature, whitening, inits) follow
-OpenAI's lm-human-preferences code ("OAI") and Huang et al., "The N+ implementation details of RLHF with PPO",
-arXiv 2403.17031 ("N+"); comments name them where the code applies them. InstructGPT = Ouyang et al. 2022, arXiv
-2203.02155.
-
-    python ppo_rlhf_toy.py                                               # all stages, about a minute on CPU
-    python ppo_rlhf_toy.py --sweep --ppo-iterations 150 --sweep-plot runs/sweep.png
-    python ppo_rlhf_toy.py --load-sft runs/<run>/sft.pt --load-rm runs/<run>/rm.pt   # after --save-model
-    python benchmarks/rlhf_seeds.py --seeds 1 2 3                        # mean +- standard error over seeds
-
-Outputs in runs/{run_name}/: metrics.jsonl (one JSON record per line; "stage" = sft | rm | ppo | eval | bon |
-summary), TensorBoard event files with the same numbers (`tensorboard --logdir runs`; see `Logger` for tags and
-steps), and with --save-model the checkpoints sft.pt, rm.pt, ppo_policy.pt. PPO records use TRL's names; "per
-sequence" = summed over the response tokens, then averaged over the rollout batch:
-
-| key                        | stage     | meaning                                                                  |
-|----------------------------|-----------|--------------------------------------------------------------------------|
-| stage                      | all       | which stage wrote the record                                             |
-| step, sft/loss             | sft       | SFT optimizer step; next-token cross-entropy of that step's batch        |
-| epoch                      | rm        | RM epoch (passes over the training pairs)                                |
-| rm/loss                    | rm        | Bradley-Terry loss (Eq. 1), mean over the epoch's training batches       |
-| rm/heldout_loss            | rm        | the same on the held-out pairs, after the epoch                          |
-| rm/heldout_acc             | rm        | held-out pairs whose label the RM ranks first (vs the noisy labels)      |
-| rm/heldout_acc_gold        | rm        | the same vs the noise-free gold order (gold ties left out)               |
-| rm/label_ceiling           | rm        | best accuracy possible vs the noisy labels: mean of max(p, 1 - p)        |
-| rm/train_pairs             | rm        | training pairs: sharing no sentence with a held-out pair                 |
-| rm/heldout_pairs           | rm        | held-out pairs                                                           |
-| rm/dropped_pairs           | rm        | pairs left out because they share a sentence with a held-out pair        |
-| rm/bias, rm/gain           | rm        | mean and std of the raw RM score on pi_ref samples (normalisation)       |
-| rm/epochs                  | rm        | epochs the RM was trained for                                            |
-| episode                    | ppo, eval | sequences sampled by PPO so far                                          |
-| lr, eps                    | ppo       | learning rate; episodes per second                                       |
-| objective/kl               | ppo, eval | per sequence k1 = log pi - log pi_ref: estimates KL of pi to pi_ref      |
-| objective/kl_k3            | ppo       | per sequence k3 (see --kl-estimator)                                     |
-| objective/entropy          | ppo       | per sequence -log pi of the sampled tokens                               |
-| objective/kl_coef          | ppo       | beta of this iteration                                                   |
-| objective/scores           | ppo       | mean RM score (after the missing-EOS penalty)                            |
-| objective/non_score_reward | ppo       | -beta * per sequence KL penalty (the estimator of --kl-estimator)        |
-| objective/rlhf_reward      | ppo       | objective/scores + objective/non_score_reward: Eq. 2 without ptx         |
-| policy/approxkl_avg        | ppo       | 0.5 E[(log pi - log pi_old)^2] over the update's minibatches             |
-| policy/clipfrac_avg        | ppo       | share of tokens where the policy clip binds                              |
-| policy/entropy_avg         | ppo       | exact entropy of pi over the vocabulary, during the update               |
-| loss/policy_avg            | ppo       | clipped surrogate loss                                                   |
-| loss/value_avg             | ppo       | clipped value loss                                                       |
-| loss/ptx_avg               | ppo       | PPO-ptx: cross-entropy on corpus batches (only with --ptx-coef > 0)      |
-| val/clipfrac_avg           | ppo       | share of tokens where the value clip binds                               |
-| val/ratio, val/ratio_var   | ppo       | mean and variance over minibatches of mean pi / pi_old: should be ~1     |
-| val/var_explained          | ppo       | 1 - Var[returns - V] / Var[returns] over the rollout's tokens            |
-| val/num_eos_tokens         | ppo       | EOS tokens in the rollout batch                                          |
-| ppo/returns/mean           | ppo       | mean of the GAE returns over the rollout's tokens                        |
-| ppo/returns/var            | ppo       | their variance                                                           |
-| proxy/score                | ppo, eval | mean normalised RM score                                                 |
-| gold/score                 | ppo, eval | mean hidden gold reward                                                  |
-| gold/eos_rate              | ppo, eval | share of responses that end with EOS                                     |
-| gold/grammar_rate          | ppo, eval | share of grammatical responses                                           |
-| gold/repeat_rate           | ppo, eval | share of responses that repeat an adjective                              |
-| gold/distinct_frac         | ppo, eval | distinct responses / batch size                                          |
-| samples                    | ppo, eval | a few sample texts (PPO: every SAMPLE_EVERY iterations)                  |
-| beta                       | eval      | the KL coefficient the run started from                                  |
-| n, kl_bound                | bon       | best-of-n's n; its KL bound log n - (n - 1)/n                            |
-| proxy/score, gold/score    | bon       | mean RM and gold scores of the best of n SFT samples (best by the RM)    |
-| rm, sft, ppo, bon, wall_s  | summary   | the RM's numbers, evaluations of SFT and PPO, best-of-n rows, seconds    |
+"""RLHF with PPO, end to end, on a toy language small enough to train in minutes on a CPU:
+SFT a tiny transformer on a synthetic sentiment corpus, label pairs of its samples with a hidden
+gold reward, fit a Bradley-Terry reward model, then PPO against it with a per-token KL leash to SFT.
+Papers: InstructGPT (Ouyang et al. 2022, arXiv 2203.02155), Ziegler et al. 2019 (1909.08593),
+Stiennon et al. 2020, Gao et al. 2022 (2210.10760). OAI = OpenAI's lm-human-preferences code;
+N+ = Huang et al. 2024 (2403.17031). Run: `python ppo_rlhf_toy.py`; metrics: docs/rlhf.md.
+Read top to bottom; the appendix below `train` is plumbing.
 """
 import copy
 import functools
@@ -93,42 +26,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-# Knobs that experiments here never needed to change: constants rather than flags, to keep --help short.
+
+# Knobs that experiments here never needed to change: constants rather than flags, to keep --help
+# short.
 SFT_BATCH_SIZE = 128  # SFT sentences per step
 RM_BATCH_SIZE = 64  # preference pairs per RM step
 HELDOUT_FRAC = 0.1  # fraction of the preference pairs held out to measure RM accuracy
-PTX_SENTENCES_PER_EPISODE = 8  # PPO-ptx: corpus sentences per PPO episode in each minibatch (InstructGPT: 8x)
+PTX_SENTENCES_PER_EPISODE = 8  # PPO-ptx: corpus sentences per episode in each minibatch (InstructGPT)
 SAMPLE_EVERY = 25  # print (and log) sample texts every this many PPO iterations
-# PPO iterations in the centred moving average of the sweep's curves and peaks: enough to average out the noise of
-# rollout-batch means, short enough to keep beta = 0's gold peak, which lasts a few iterations (a 9-iteration window
-# lowered it by another 0.19, mean of 3 seeds)
-SMOOTHING_WINDOW = 5
 
 
 @dataclass
 class Args:
-    # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (part of the run name)"""
-    seed: int = 1
-    """seed of random, numpy and torch: same seed, same run on CPU"""
-    torch_deterministic: bool = True
-    """set torch.backends.cudnn.deterministic"""
-    cuda: bool = True
-    """use CUDA when available"""
-    # task: the toy language and the preference data
+    # ---- the algorithm. The task: the toy language and the preference data
     corpus_size: int = 20000
     """sentences in the SFT corpus"""
     max_response_len: int = 12
     """response tokens sampled after the prompt (<bos> DET NOUN); every corpus response fits"""
     num_pairs: int = 4000
-    """preference pairs sampled from the SFT policy; pairs without EOS are dropped, 10% are held out, and training
-    pairs that share a sentence with a held-out pair are dropped (17-19% of them in 5 default runs)"""
+    """preference pairs sampled from the SFT policy; pairs without EOS are dropped, 10% are held
+    out, and training pairs that share a sentence with a held-out pair are dropped (17-19% of them
+    in 5 default runs)"""
     label_noise: float = 0.5
-    """tau of the labeller p(a preferred) = sigmoid((r*(a) - r*(b)) / tau); small = near-deterministic"""
-    # algorithm: models, SFT, reward model
+    """tau of the labeller p(a preferred) = sigmoid((r*(a) - r*(b)) / tau); small = near-certain"""
+    # models, SFT, reward model
     d_model: int = 64
-    """transformer width; policy, reference, RM and critic share it (with --load-sft, the saved model's)"""
+    """transformer width of policy, reference, RM and critic (with --load-sft, the saved model's)"""
     n_layers: int = 2
     """transformer blocks (with --load-sft, the saved model's)"""
     n_heads: int = 4
@@ -138,10 +61,10 @@ class Args:
     sft_lr: float = 3e-3
     """SFT Adam learning rate, linearly decayed to 0"""
     rm_epochs: int = 4
-    """passes over the training pairs (OAI/N+ use 1 epoch of many more labels; our ~3k pairs need more)"""
+    """passes over the training pairs (OAI/N+: 1 epoch of many more labels; our ~3k need more)"""
     rm_lr: float = 1e-3
     """RM Adam learning rate, linearly decayed to 0 (as OAI)"""
-    # algorithm: PPO
+    # PPO
     ppo_iterations: int = 100
     """PPO iterations (rollout + update)"""
     rollout_batch_size: int = 128
@@ -155,25 +78,28 @@ class Args:
     max_grad_norm: float = 1.0
     """global gradient-norm clip (inf: none)"""
     temperature: float = 0.7
-    """sampling temperature (OAI/N+ value); logits are divided by it in rollout, reference and update alike"""
+    """sampling temperature (OAI/N+ value); rollout, reference and update all divide logits by it"""
     beta: float = 0.05
-    """KL coefficient of InstructGPT Eq. 2: per-token reward -beta*(log pi - log pi_ref), a leash to pi_ref (the SFT
-    model) over the whole run, unlike the clip (--clip-coef); the initial value with --adaptive-kl"""
+    """KL coefficient of InstructGPT Eq. 2: per-token reward -beta*(log pi - log pi_ref), a leash to
+    pi_ref (the SFT model) over the whole run, unlike the clip (--clip-coef); the initial value with
+    --adaptive-kl"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL in the reward. k1 = log pi - log pi_ref: as a reward its policy gradient is that of
-    KL(pi || pi_ref). k3 = (r - 1) - log r with r = pi_ref / pi (offered by TRL) has the same expectation, but as a
-    reward its policy gradient is grad KL(pi || pi_ref) - grad KL(pi_ref || pi): it does not pull pi back towards
-    pi_ref: on an enumerable task (tests/test_rlhf.py) PPO with k3 ends on a single response, while with k1 it
-    reaches the KL-regularised optimum, which keeps its entropy. Offered to show that; use k1"""
+    """per-token KL in the reward. k1 = log pi - log pi_ref: as a reward its policy gradient is that
+    of KL(pi || pi_ref). k3 = (r - 1) - log r with r = pi_ref / pi (offered by TRL) has the same
+    expectation, but as a reward its policy gradient is grad KL(pi || pi_ref) - grad KL(pi_ref ||
+    pi): it does not pull pi back towards pi_ref: on an enumerable task (tests/test_rlhf.py) PPO
+    with k3 ends on a single response, while with k1 it reaches the KL-regularised optimum, which
+    keeps its entropy. Offered to show that; use k1"""
     adaptive_kl: bool = False
     """adapt beta with Ziegler et al.'s proportional controller towards --kl-target"""
     kl_target: float = 6.0
     """adaptive controller: target KL in nats (Ziegler et al.)"""
     kl_horizon: int = 10000
-    """adaptive controller: horizon in episodes (Ziegler et al.; at 128 episodes per iteration beta moves slowly)"""
+    """adaptive controller: horizon in episodes (Ziegler et al.); beta moves slowly at 128 a step"""
     clip_coef: float = 0.2
-    """PPO ratio clip epsilon: a trust region around pi_old, the policy that sampled this batch, so it moves every
-    iteration; it cannot keep pi near pi_ref over a run, which is the KL penalty's job (--beta)"""
+    """PPO ratio clip epsilon: a trust region around pi_old, the policy that sampled this batch, so
+    it moves every iteration; it cannot keep pi near pi_ref over a run, which is the KL penalty's
+    job (--beta)"""
     clip_coef_value: float = 0.2
     """clip range of the value prediction around its rollout value"""
     vf_coef: float = 0.1
@@ -185,11 +111,20 @@ class Args:
     whiten_rewards: bool = False
     """whiten per-token rewards (without re-centring) before GAE, as OAI did for stylistic tasks"""
     missing_eos_penalty: float = -1.0
-    """score given instead of the RM's to a response that never emits EOS (the 'EOS trick' of OAI and N+)"""
+    """score given instead of the RM's to a response without EOS (the 'EOS trick' of OAI and N+)"""
     ptx_coef: float = 0.0
-    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus batches (8 sentences per episode, as
-    InstructGPT) added to every PPO minibatch loss. 0 = plain PPO, InstructGPT's "PPO" models (its PPO-ptx: 27.8)"""
-    # evaluation
+    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus batches (8 sentences
+    per episode, as InstructGPT) added to every PPO minibatch loss. 0 = plain PPO, InstructGPT's
+    "PPO" models (its PPO-ptx: 27.8)"""
+    # ---- the run: seeding and device, evaluation, logging, checkpoints, speed
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of random, numpy and torch: same seed, same run on CPU"""
+    torch_deterministic: bool = True
+    """set torch.backends.cudnn.deterministic"""
+    cuda: bool = True
+    """use CUDA when available"""
     eval_samples: int = 512
     """samples for the final evaluation of the SFT and PPO policies"""
     bon_pool: int = 256
@@ -200,7 +135,6 @@ class Args:
     """KL coefficients of the sweep"""
     sweep_plot: Optional[str] = None
     """where the sweep writes its plot (default runs/{run_name}/sweep.png)"""
-    # logging and checkpoints
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "rl-reference"
@@ -210,14 +144,13 @@ class Args:
     wandb_mode: Literal["online", "offline"] = "online"
     """wandb mode; offline needs no account or network"""
     save_model: bool = False
-    """write sft.pt and rm.pt when their stage ends, and the PPO policy (also when PPO is interrupted)"""
+    """write sft.pt and rm.pt when their stage ends, and the PPO policy (also if interrupted)"""
     load_sft: Optional[str] = None
     """load the SFT policy from this checkpoint instead of training it"""
     load_rm: Optional[str] = None
-    """load the reward model from this checkpoint (needs --load-sft: its normalisation refers to that policy)"""
-    # speed
+    """load the reward model from this checkpoint (needs --load-sft, which its scale refers to)"""
     threads: int = 1
-    """torch CPU threads; 1 is fastest for these tiny matrices (2 measured 3-28x slower on a busy 2-core CPU)"""
+    """torch CPU threads; 1 is fastest for these tiny matrices (measured: docs/rlhf.md)"""
 
 
 # ---------------------------------------------------------------- 1. the language and its hidden gold reward
@@ -241,8 +174,9 @@ GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")  # response: VERB [not] [ADV] 
 
 
 def make_sentence(rng, max_response_len):
-    """A corpus sentence. Its adjectives are distinct, so the preference pairs (SFT samples) rarely show a
-    repeated adjective and never an ungrammatical sentence: the RM cannot learn those parts of the gold reward."""
+    """A corpus sentence. Its adjectives are distinct, so the preference pairs (SFT samples) rarely
+    show a repeated adjective and never an ungrammatical sentence: the RM cannot learn those parts
+    of the gold reward."""
     while True:
         words = [rng.choice(DETS), rng.choice(NOUNS), rng.choice(VERBS)]
         for index, adjective in enumerate(rng.sample(POSITIVE + NEGATIVE, rng.choice([1, 1, 2, 2, 3]))):
@@ -253,9 +187,9 @@ def make_sentence(rng, max_response_len):
 
 
 def judge(response_words):
-    """Hidden gold judgement of one response -> (r*, has EOS, grammatical, repeated adjectives). r* = negation-
-    aware (#positive - #negative adjectives) clipped to [-2, 2], minus 0.5 per repeated adjective; r* = -1 when
-    the response never ends (no EOS) and -2 when it is ungrammatical."""
+    """Hidden gold judgement of one response -> (r*, has EOS, grammatical, repeated adjectives). r*
+    = negation- aware (#positive - #negative adjectives) clipped to [-2, 2], minus 0.5 per repeated
+    adjective; r* = -1 when the response never ends (no EOS) and -2 when it is ungrammatical."""
     if "." not in response_words:
         return -1.0, False, False, 0
     words = response_words[: response_words.index(".") + 1]
@@ -288,11 +222,16 @@ def language_stats(responses):
             "gold/distinct_frac": len(set(map(tuple, words))) / len(words)}
 
 
-def random_prompts(n, device):
+def random_prompts(count, device):
     """Prompts are <bos> DET NOUN: fixed length, so queries never need (left) padding."""
-    dets = torch.randint(0, len(DETS), (n,)) + TOKEN[DETS[0]]
-    nouns = torch.randint(0, len(NOUNS), (n,)) + TOKEN[NOUNS[0]]
-    return torch.stack([torch.full((n,), BOS), dets, nouns], 1).to(device)
+    dets = torch.randint(0, len(DETS), (count,)) + TOKEN[DETS[0]]
+    nouns = torch.randint(0, len(NOUNS), (count,)) + TOKEN[NOUNS[0]]
+    return torch.stack([torch.full((count,), BOS), dets, nouns], 1).to(device)
+
+
+def random_rows(tokens, count):
+    """`count` rows of `tokens`, drawn uniformly with replacement: SFT's and PPO-ptx's batches."""
+    return tokens[torch.randint(0, len(tokens), (count,), device=tokens.device)]
 
 
 def encode_sentences(sentences, width, device):
@@ -322,9 +261,10 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """Pre-LN causal transformer with no dropout anywhere: dropout would make the first PPO ratio != 1 (N+).
-    out_dim = vocab size: a policy (logits); out_dim = 1: a scalar per position (reward model, critic).
-    PAD keys are masked and position ids skip PADs, so any padding gives the same outputs."""
+    """Pre-LN causal transformer with no dropout anywhere: dropout would make the first PPO ratio !=
+    1 (N+). out_dim = vocab size: a policy (logits); out_dim = 1: a scalar per position (reward
+    model, critic). PAD keys are masked and position ids skip PADs, so any padding gives the same
+    outputs."""
 
     def __init__(self, vocab_size, out_dim, d_model, n_layers, n_heads, max_len, banned_tokens=()):
         super().__init__()
@@ -343,8 +283,12 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens):
         real = tokens != PAD
-        ones = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device)
-        mask = (ones.tril() & (real[:, None, :] | ones.diag().diag()))[:, None]  # a PAD query sees itself only
+        length = tokens.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        itself = torch.eye(length, dtype=torch.bool, device=tokens.device)
+        # a query attends to earlier real tokens; a PAD query sees itself only, so no row is all
+        # masked
+        mask = (causal & (real[:, None, :] | itself))[:, None]
         x = self.tok(tokens) + self.pos((real.cumsum(1) - 1).clamp(min=0))
         for block in self.blocks:
             x = block(x, mask)
@@ -360,8 +304,9 @@ def make_model(args, out_dim):
 
 @torch.no_grad()
 def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD):
-    """Pure ancestral sampling at `temperature` (no top-k / top-p). A row stops at its first EOS and is padded
-    with PAD. Returns responses (B, max_new_tokens) and the log-probs of the sampled tokens."""
+    """Pure ancestral sampling at `temperature` (no top-k / top-p). A row stops at its first EOS and
+    is padded with PAD. Returns responses (B, max_new_tokens) and the log-probs of the sampled
+    tokens."""
     tokens = queries
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     logprobs = []
@@ -378,8 +323,9 @@ def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD)
 
 
 def response_logprobs(model, queries, responses, temperature):
-    """log pi(y_t | x, y_<t) of each response token and the full log-softmax, with the logits divided by the
-    sampling temperature. The logits at position t predict token t + 1, hence the shift."""
+    """log pi(y_t | x, y_<t) of each response token and the full log-softmax, with the logits
+    divided by the sampling temperature. The logits at position t predict token t + 1, hence the
+    shift."""
     logits = model(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1]
     all_logp = F.log_softmax(logits / temperature, -1)
     return all_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1), all_logp
@@ -393,20 +339,21 @@ def response_mask(responses, eos_id=EOS):
 
 # ---------------------------------------------------------------- 2. SFT
 def lm_loss(model, tokens):
-    """Next-token cross-entropy, the negative of log pi(x) per token: SFT's loss and PPO-ptx's pretraining term.
-    PAD targets are ignored; the EOS target is kept, so the model learns to stop."""
+    """Next-token cross-entropy, the negative of log pi(x) per token: SFT's loss and PPO-ptx's
+    pretraining term. PAD targets are ignored; the EOS target is kept, so the model learns to
+    stop."""
     return F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:], ignore_index=PAD)
 
 
 def train_sft(args, corpus_tokens, device, log, interrupted=()):
-    """SFT on the corpus. Returns None if `interrupted` (Ctrl-C / SIGTERM) stopped it before the last step."""
+    """SFT on the corpus. Returns None if `interrupted` (Ctrl-C / SIGTERM) stopped it early."""
     model = make_model(args, len(VOCAB)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr)
     for step in range(args.sft_steps):
         if interrupted:
             return None
         optimizer.param_groups[0]["lr"] = args.sft_lr * (1 - step / args.sft_steps)
-        loss = lm_loss(model, corpus_tokens[torch.randint(0, len(corpus_tokens), (SFT_BATCH_SIZE,), device=device)])
+        loss = lm_loss(model, random_rows(corpus_tokens, SFT_BATCH_SIZE))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -419,8 +366,9 @@ def train_sft(args, corpus_tokens, device, log, interrupted=()):
 # ---------------------------------------------------------------- 3. preference pairs
 @torch.no_grad()
 def make_preference_pairs(args, sft, device):
-    """Two SFT samples (temperature 1) per prompt, labelled "a over b" with p = sigmoid((r*(a) - r*(b)) / tau).
-    Pairs with a sample lacking EOS are dropped: the RM score is defined at EOS (missing EOS -> fixed penalty)."""
+    """Two SFT samples (temperature 1) per prompt, labelled "a over b" with p = sigmoid((r*(a) -
+    r*(b)) / tau). Pairs with a sample lacking EOS are dropped: the RM score is defined at EOS
+    (missing EOS -> fixed penalty)."""
     queries = random_prompts(args.num_pairs, device).repeat_interleave(2, 0)
     responses = sample(sft, queries, args.max_response_len, 1.0)[0]
     tokens = torch.cat([queries, responses], 1).view(args.num_pairs, 2, -1)
@@ -437,9 +385,10 @@ def make_preference_pairs(args, sft, device):
 
 
 def split_by_sentence(chosen, rejected, heldout_frac):
-    """Held-out pairs: a random heldout_frac of all pairs, so they are a fair sample of the pair distribution.
-    Training pairs: the others, except those that share a sentence (prompt + response) with a held-out pair, so
-    held-out accuracy is measured on sentences the RM never saw. Returns train, held-out and dropped indices."""
+    """Held-out pairs: a random heldout_frac of all pairs, so they are a fair sample of the pair
+    distribution. Training pairs: the others, except those that share a sentence (prompt + response)
+    with a held-out pair, so held-out accuracy is measured on sentences the RM never saw. Returns
+    train, held-out and dropped indices."""
     order = torch.randperm(len(chosen), device=chosen.device)
     n_heldout = max(1, int(len(chosen) * heldout_frac))
     heldout = order[:n_heldout]
@@ -453,20 +402,22 @@ def split_by_sentence(chosen, rejected, heldout_frac):
 
 # ---------------------------------------------------------------- 4. the reward model
 def score_at_eos(per_token_scores, tokens, eos_id=EOS):
-    """The RM score is the scalar at each row's first EOS token (as N+): not the last position (a PAD when
-    right-padded), not one step after EOS. Rows without EOS read position 0; callers replace them (EOS trick)."""
+    """The RM score is the scalar at each row's first EOS token (as N+): not the last position (a
+    PAD when right-padded), not one step after EOS. Rows without EOS read position 0; callers
+    replace them (EOS trick)."""
     return per_token_scores.gather(1, (tokens == eos_id).int().argmax(1, keepdim=True)).squeeze(1)  # argmax: first max
 
 
 def bradley_terry_loss(r_chosen, r_rejected):
-    """InstructGPT Eq. 1 with K = 2 responses per prompt: -log sigma(r(x, y_w) - r(x, y_l)), the negative
-    log-likelihood of the labeller's choice under Bradley-Terry."""
+    """InstructGPT Eq. 1 with K = 2 responses per prompt: -log sigma(r(x, y_w) - r(x, y_l)), the
+    negative log-likelihood of the labeller's choice under Bradley-Terry."""
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
 def train_reward_model(args, sft, pairs, device, log, interrupted=()):
-    """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Logs the held-out loss and
-    accuracy after every epoch. Returns the RM and its numbers, or None, None if `interrupted` stopped it."""
+    """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Logs the
+    held-out loss and accuracy after every epoch. Returns the RM and its numbers, or None, None if
+    `interrupted` stopped it."""
     chosen, rejected, gold_margin, p_label = pairs
     train_idx, heldout_idx, dropped_idx = split_by_sentence(chosen, rejected, HELDOUT_FRAC)
     if len(train_idx) < 1:
@@ -476,7 +427,10 @@ def train_reward_model(args, sft, pairs, device, log, interrupted=()):
     body = {key: value for key, value in sft.state_dict().items() if not key.startswith("head") and key != "banned"}
     rm.load_state_dict(body, strict=False)
     optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
-    reward = lambda tokens: score_at_eos(rm(tokens), tokens)
+
+    def reward(tokens):
+        return score_at_eos(rm(tokens), tokens)
+
     total_steps = args.rm_epochs * math.ceil(len(train_idx) / RM_BATCH_SIZE)
     step = 0
     for epoch in range(1, args.rm_epochs + 1):
@@ -505,8 +459,8 @@ def train_reward_model(args, sft, pairs, device, log, interrupted=()):
             f"rm epoch {epoch}/{args.rm_epochs} | loss {heldout['rm/loss']:.3f} | held-out loss "
             f"{heldout['rm/heldout_loss']:.3f} | held-out accuracy {heldout['rm/heldout_acc']:.3f}")
     with torch.no_grad():
-        # Normalise to mean 0 / std 1 on 512 samples of the PPO initial policy (OAI's gain and bias; N+ uses the
-        # bias only): beta then means the same thing whatever scale this RM happened to learn.
+        # Normalise to mean 0 / std 1 on 512 samples of the PPO initial policy (OAI's gain and bias;
+        # N+ uses the bias only): beta then means the same whatever scale this RM happened to learn.
         queries = random_prompts(512, device)
         responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
         raw = reward(torch.cat([queries, responses], 1)[(responses == EOS).any(1)])
@@ -519,16 +473,17 @@ def train_reward_model(args, sft, pairs, device, log, interrupted=()):
 
 @torch.no_grad()
 def proxy_score(rm, rm_info, missing_eos_penalty, queries, responses):
-    """The reward r_theta(x, y) of InstructGPT Eq. 2: the RM's score at EOS, normalised with rm/bias and rm/gain;
-    a response without EOS gets the fixed missing_eos_penalty instead (the EOS trick of OAI and N+)."""
+    """The reward r_theta(x, y) of InstructGPT Eq. 2: the RM's score at EOS, normalised with rm/bias
+    and rm/gain; a response without EOS gets the fixed missing_eos_penalty instead (the EOS trick of
+    OAI and N+)."""
     tokens = torch.cat([queries, responses], 1)
     score = (score_at_eos(rm(tokens), tokens) - rm_info["rm/bias"]) / rm_info["rm/gain"]
     return torch.where((responses == EOS).any(1), score, torch.full_like(score, missing_eos_penalty))
 
 
 def critic_from_reward_model(rm, rm_info):
-    """The critic starts as the RM (Stiennon et al.; N+ detail 22) with the normalisation folded into its head, so
-    its first values are on the reward's scale."""
+    """The critic starts as the RM (Stiennon et al.; N+ detail 22) with the normalisation folded
+    into its head, so its first values are on the reward's scale."""
     critic = copy.deepcopy(rm).requires_grad_(True)
     with torch.no_grad():
         critic.head.bias.sub_(rm_info["rm/bias"]).div_(rm_info["rm/gain"])
@@ -538,10 +493,11 @@ def critic_from_reward_model(rm, rm_info):
 
 # ---------------------------------------------------------------- 5. PPO
 def kl_estimate(logp, ref_logp, estimator="k1"):
-    """Per-token KL(pi || pi_ref) estimates from tokens sampled from pi (Schulman, "Approximating KL"): k1 = log pi -
-    log pi_ref, unbiased but negative for some tokens; k3 = (r - 1) - log r with r = pi_ref / pi, unbiased, never
-    negative, lower variance. Unbiased VALUES; as a reward only k1 also has the right policy GRADIENT: E_pi[k3 grad
-    log pi] = grad KL(pi || pi_ref) - grad KL(pi_ref || pi) (see --kl-estimator)."""
+    """Per-token KL(pi || pi_ref) estimates from tokens sampled from pi (Schulman, "Approximating
+    KL"): k1 = log pi - log pi_ref, unbiased but negative for some tokens; k3 = (r - 1) - log r with
+    r = pi_ref / pi, unbiased, never negative, lower variance. Unbiased VALUES; as a reward only k1
+    also has the right policy GRADIENT: E_pi[k3 grad log pi] = grad KL(pi || pi_ref) - grad
+    KL(pi_ref || pi) (see --kl-estimator)."""
     log_r = ref_logp - logp
     return -log_r if estimator == "k1" else log_r.exp() - 1 - log_r
 
@@ -556,33 +512,28 @@ def masked_var(x, mask):
 
 
 def whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / sqrt(var + eps) over unmasked entries with the population variance, as TF; shift_mean=False
-    adds the mean back (OAI does that for rewards)."""
+    """(x - mean) / sqrt(var + eps) over unmasked entries with the population variance, as TF;
+    shift_mean=False adds the mean back (OAI does that for rewards)."""
     mean = masked_mean(x, mask)
     whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
     return whitened if shift_mean else whitened + mean
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the returns, 0 = no
-    better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's explained_variance)."""
-    returns_var = masked_var(returns, mask)
-    return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
-
-
 def per_token_rewards(kl, scores, mask, beta):
-    """InstructGPT Eq. 2 (without ptx) spread over tokens, as Ziegler et al.: r_t = -beta * KL_t on every response
-    token, plus the score r_theta(x, y) on the last one (the EOS token, or the final token when there is none).
-    Summed over tokens: r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x)) with k1. This penalty is the leash to
-    pi_ref, the SFT model; PPO's clip (ppo_losses) is a different leash, to pi_old."""
+    """InstructGPT Eq. 2 (without ptx) spread over tokens, as Ziegler et al.: r_t = -beta * KL_t on
+    every response token, plus the score r_theta(x, y) on the last one (the EOS token, or the final
+    token when there is none). Summed over tokens: r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x))
+    with k1. This penalty is the leash to pi_ref, the SFT model; PPO's clip (ppo_losses) is a
+    different leash, to pi_old."""
     rewards = -beta * kl * mask
     rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores
     return rewards
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over response tokens: delta_t = r_t +
-    gamma V_{t+1} - V_t with V = 0 after the last token; A_t = delta_t + gamma lam A_{t+1}; returns = A + V."""
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over response tokens: delta_t
+    = r_t + gamma V_{t+1} - V_t with V = 0 after the last token; A_t = delta_t + gamma lam A_{t+1};
+    returns = A + V."""
     rewards = rewards * mask
     values = values * mask
     advantages = torch.zeros_like(rewards)
@@ -596,10 +547,11 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, clip_coef, clip_coef_value):
-    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) and the clipped value loss of OAI / N+, masked
-    means over response tokens. The ratio is pi / pi_old, pi_old being the policy that sampled this batch: the
-    clip is a trust region for one iteration, while the KL penalty in the rewards (per_token_rewards) holds pi
-    near pi_ref = the SFT model for the whole run. Returns (policy loss, value loss, diagnostics)."""
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) and the clipped value loss of OAI / N+,
+    masked means over response tokens. The ratio is pi / pi_old, pi_old being the policy that
+    sampled this batch: the clip is a trust region for one iteration, while the KL penalty in the
+    rewards (per_token_rewards) holds pi near pi_ref = the SFT model for the whole run. Returns
+    (policy loss, value loss, diagnostics)."""
     log_ratio = (logp - old_logp) * mask
     ratio = log_ratio.exp()
     pg_unclipped = -advantages * ratio
@@ -615,13 +567,13 @@ def ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, cl
 
 
 def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
-    """Ziegler et al.'s proportional controller: e = clip(KL/target - 1, -0.2, 0.2); beta *= 1 + e n_steps/horizon."""
+    """Ziegler et al.: e = clip(KL/target - 1, -0.2, 0.2); beta *= 1 + e * n_steps / horizon."""
     return beta * (1 + float(np.clip(kl / target - 1, -0.2, 0.2)) * n_steps / horizon)
 
 
 @torch.no_grad()
 def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id=EOS, pad_id=PAD):
-    """Sample responses, score them, and turn the scores into per-token rewards, advantages and returns."""
+    """Sample responses, score them, and turn the scores into per-token rewards and advantages."""
     responses = sample(policy, queries, args.max_response_len, args.temperature, eos_id, pad_id)[0]
     mask = response_mask(responses, eos_id)
     # log-probs recomputed by a plain forward (as OAI); a test checks they equal the sampling ones
@@ -639,10 +591,11 @@ def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, e
                 scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns)
 
 
-def ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn=None):
-    """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics dict each.
-    With args.ptx_coef > 0 each minibatch loss adds gamma * lm_loss on pretrain_batch_fn(n) corpus sentences:
-    PPO-ptx, the last term of InstructGPT Eq. 2 (gamma E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
+def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
+    """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics
+    dict each. With args.ptx_coef > 0 each minibatch loss adds gamma * lm_loss on
+    sample_corpus(count) corpus sentences: PPO-ptx, the last term of InstructGPT Eq. 2 (gamma
+    E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
     n_sequences = len(batch["queries"])
     stats = []
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -658,7 +611,7 @@ def ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn=None):
                 minibatch["returns"], minibatch["mask"], args.clip_coef, args.clip_coef_value)
             loss = pg_loss + args.vf_coef * vf_loss
             if args.ptx_coef > 0:
-                ptx_loss = lm_loss(policy, pretrain_batch_fn(PTX_SENTENCES_PER_EPISODE * len(idx)))
+                ptx_loss = lm_loss(policy, sample_corpus(PTX_SENTENCES_PER_EPISODE * len(idx)))
                 loss = loss + args.ptx_coef * ptx_loss
                 minibatch_stats["ptx_loss"] = ptx_loss
             optimizer.zero_grad()
@@ -671,13 +624,17 @@ def ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn=None):
     return stats
 
 
-def run_ppo(args, beta, policy, ref_policy, critic, score_fn, prompt_fn, eval_fn=None, log=None, eos_id=EOS,
-            pad_id=PAD, pretrain_batch_fn=None, interrupted=()):
-    """PPO against score_fn with a KL leash to ref_policy. Generic over the models (token ids -> logits or
-    values) and the reward: the tests run it on an enumerable task. Returns one metrics dict per iteration; stops
-    early when `interrupted` is set (Ctrl-C / SIGTERM), after the iteration at hand."""
-    # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far larger in the
-    # first steps, so PyTorch's early updates are bigger (~6x approxkl in lm-human-preference-details).
+def run_ppo(args, *, beta, policy, ref_policy, critic, score_fn, sample_prompts, rollout_metrics=None,
+            log=None, eos_id=EOS, pad_id=PAD, sample_corpus=None, interrupted=()):
+    """PPO against score_fn(queries, responses) with a KL leash to ref_policy, from the prompts of
+    sample_prompts(count). Generic over the models (token ids -> logits or values) and the reward:
+    the tests run it on an enumerable task. rollout_metrics(batch, iteration) adds a task's own
+    numbers to each record; sample_corpus(count) gives PPO-ptx's corpus rows. Returns one metrics
+    dict per iteration; stops early when `interrupted` is set (Ctrl-C / SIGTERM), after the
+    iteration at hand."""
+    # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far
+    # larger in the first steps, so PyTorch's early updates are bigger (~6x approxkl in
+    # lm-human-preference-details).
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=args.ppo_lr, eps=1e-5)
     history = []
     start = time.time()
@@ -686,60 +643,27 @@ def run_ppo(args, beta, policy, ref_policy, critic, score_fn, prompt_fn, eval_fn
             break
         lr = args.ppo_lr * (1 - (iteration - 1) / args.ppo_iterations)  # linear decay to 0 (as OAI)
         optimizer.param_groups[0]["lr"] = lr
-        queries = prompt_fn(args.rollout_batch_size)
+        queries = sample_prompts(args.rollout_batch_size)
         batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id, pad_id)
-        stats = ppo_update(policy, critic, optimizer, batch, args, pretrain_batch_fn)
-        mean = {key: float(np.mean([minibatch[key] for minibatch in stats])) for key in stats[0]}
-        per_sequence = lambda x: float((x * batch["mask"]).sum(1).mean())  # mean over sequences of a per-token sum
+        stats = ppo_update(policy, critic, optimizer, batch, args, sample_corpus)
         episodes = iteration * args.rollout_batch_size
-        score = float(batch["scores"].mean())
-        penalty_kl = per_sequence(batch["kl"])
-        record = {
-            "stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes / (time.time() - start),
-            "objective/kl": per_sequence(batch["logp"] - batch["ref_logp"]),
-            "objective/kl_k3": per_sequence(kl_estimate(batch["logp"], batch["ref_logp"], "k3")),
-            "objective/entropy": per_sequence(-batch["logp"]), "objective/kl_coef": beta,
-            "objective/scores": score, "objective/non_score_reward": -beta * penalty_kl,
-            "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
-            "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
-            "loss/policy_avg": mean["pg_loss"], "loss/value_avg": mean["vf_loss"],
-            **({"loss/ptx_avg": mean["ptx_loss"]} if "ptx_loss" in mean else {}),
-            "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
-            "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
-            "val/var_explained": explained_variance(batch["values"], batch["returns"], batch["mask"]),
-            "val/num_eos_tokens": int((batch["responses"] == eos_id).sum()),
-            "ppo/returns/mean": float(masked_mean(batch["returns"], batch["mask"])),
-            "ppo/returns/var": float(masked_var(batch["returns"], batch["mask"])),
-            **(eval_fn(batch, iteration) if eval_fn else {})}
-        if args.adaptive_kl:
+        record = ppo_record(batch, stats, beta=beta, episodes=episodes, lr=lr,
+                            episodes_per_second=episodes / (time.time() - start), eos_id=eos_id)
+        if rollout_metrics is not None:
+            record.update(rollout_metrics(batch, iteration))
+        if args.adaptive_kl:  # the next iteration's beta, from this one's KL
             beta = adaptive_kl_beta(beta, record["objective/kl"], args.kl_target, args.rollout_batch_size,
                                     args.kl_horizon)
         history.append(record)
         if log is not None:
-            eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
-            log(record, f"ppo beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
-                        f"{record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | proxy "
-                        f"{score:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
-                        f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
-                        f"ratio {record['val/ratio']:.3f}")
+            log(record, ppo_log_line(record, iteration, args, start))
     return history
-
-
-def rollout_stats(batch, iteration):
-    """The toy's own metrics of a PPO iteration, on the rollout batch itself: proxy and gold scores, the gates,
-    and every SAMPLE_EVERY iterations a few sample texts (printed too)."""
-    stats = {"proxy/score": float(batch["scores"].mean()), **language_stats(batch["responses"])}
-    if iteration % SAMPLE_EVERY == 0:
-        texts = torch.cat([batch["queries"], batch["responses"]], 1)[:3].tolist()
-        stats["samples"] = [" ".join(decode(row)) for row in texts]
-        print("    " + "\n    ".join(stats["samples"]))
-    return stats
 
 
 # ---------------------------------------------------------------- 6. evaluation
 @torch.no_grad()
 def evaluate(args, policy, ref_policy, score_fn, device):
-    """Fresh samples at the training temperature: proxy and gold scores, gates, and the summed k1 KL."""
+    """Fresh samples at the training temperature: proxy and gold scores, gates, the summed k1 KL."""
     queries = random_prompts(args.eval_samples, device)
     responses = sample(policy, queries, args.max_response_len, args.temperature)[0]
     logp = response_logprobs(policy, queries, responses, args.temperature)[0]
@@ -751,21 +675,24 @@ def evaluate(args, policy, ref_policy, score_fn, device):
 
 
 def best_of_n_kl_bound(n):
-    """KL(best-of-n || base) <= log n - (n - 1)/n (Stiennon et al. App. G.3; an upper bound, Beirami et al. 2024)."""
+    """KL(best-of-n || base) <= log n - (n - 1)/n: Stiennon et al.'s formula (App. G.3), which
+    Beirami et al. 2024 show is an upper bound."""
     return math.log(n) - (n - 1) / n
 
 
 def best_of_n_weights(pool_size, n):
-    """P(the i-th lowest-scored of pool_size samples is the best of a uniformly random n-subset) = C(i-1, n-1) /
-    C(pool_size, n): weighting a sorted pool by these gives an unbiased best-of-n estimate using every sample."""
+    """P(the i-th lowest-scored of pool_size samples is the best of a uniformly random n-subset) =
+    C(i-1, n-1) / C(pool_size, n): weighting a sorted pool by these gives an unbiased best-of-n
+    estimate using every sample."""
     return torch.tensor([math.comb(i - 1, n - 1) / math.comb(pool_size, n) for i in range(1, pool_size + 1)],
                         dtype=torch.float64)
 
 
 @torch.no_grad()
 def best_of_n(args, sft, score_fn, device):
-    """Best-of-n from the SFT policy, n = 1, 2, 4, ... <= bon_pool, estimated from a pool of bon_pool samples for
-    each of 32 prompts (best_of_n_weights). Its KL to the SFT policy is quoted by the upper bound log n - (n-1)/n."""
+    """Best-of-n from the SFT policy, n = 1, 2, 4, ... <= bon_pool, estimated from a pool of
+    bon_pool samples for each of 32 prompts (best_of_n_weights). Its KL to the SFT policy is quoted
+    by the upper bound log n - (n-1)/n."""
     pool_size = args.bon_pool
     queries = random_prompts(32, device).repeat_interleave(pool_size, 0)
     responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
@@ -779,93 +706,243 @@ def best_of_n(args, sft, score_fn, device):
              "gold/score": float((gold @ weight).mean())} for n, weight in weights.items()]
 
 
-def mean_and_standard_error(values, axis=0):
-    """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); the error is 0 with a single seed."""
-    values = np.asarray(values, dtype=float)
-    seeds = values.shape[axis]
-    spread = values.std(axis=axis, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(axis))
-    return values.mean(axis=axis), spread
+# ---------------------------------------------------------------- the story
+def train(args: Args):
+    """All stages in order. Returns the summary record plus "histories": each beta's PPO records."""
+    validate_args(args)
+    run_name, run_dir = create_run_dir(args)
+    device = seed_and_choose_device(args)
+    log = Logger(args, run_dir, run_name)
+    start = time.time()
+    print(f"run {run_name} on {device}")
+    with StopOnSignal(args, run_dir, log) as run:  # a first Ctrl-C / SIGTERM stops between steps
+        # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
+        # samples it too. `random` is seeded.
+        corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]
+        corpus_tokens = encode_sentences(corpus, PROMPT_LEN + args.max_response_len, device)
+
+        # 2. SFT: the initial policy, which is also the frozen reference policy pi_ref.
+        if args.load_sft:
+            sft = load_checkpoint(args.load_sft, "--load-sft", device)[0]
+        else:
+            print("corpus:", *[" ".join(sentence) for sentence in corpus[:3]], sep="\n    ")
+            sft = train_sft(args, corpus_tokens, device, log, run.interrupted)  # None if stopped
+        run.save("sft.pt", sft)
+        run.exit_if_interrupted("SFT")
+        ref_policy = copy.deepcopy(sft).requires_grad_(False)
+
+        # 3. Preference pairs labelled through the hidden gold reward, and 4. the reward model.
+        if args.load_rm:
+            rm, checkpoint = load_checkpoint(args.load_rm, "--load-rm", device)
+            rm_info = checkpoint["rm_info"]
+            log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
+        else:
+            pairs = make_preference_pairs(args, sft, device)
+            rm, rm_info = train_reward_model(args, sft, pairs, device, log, run.interrupted)
+        run.save("rm.pt", rm, rm_info=rm_info)
+        run.exit_if_interrupted("the reward model")
+        rm.requires_grad_(False)
+        score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
+
+        # 5. PPO, once or once per beta of the sweep (the same SFT policy and RM), each followed by
+        # 6. its evaluation on fresh samples, against the hidden gold reward.
+        sft_eval = evaluate(args, sft, ref_policy, score_fn, device)
+        histories = {}
+        finals = {}
+        for beta in args.sweep_betas if args.sweep else (args.beta,):
+            run.exit_if_interrupted("evaluation")
+            torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
+            policy = copy.deepcopy(sft).requires_grad_(True)
+            critic = critic_from_reward_model(rm, rm_info)
+            beta_log = logger_for_beta(log, args, beta)
+            histories[beta] = run_ppo(
+                args, beta=beta, policy=policy, ref_policy=ref_policy, critic=critic, score_fn=score_fn,
+                sample_prompts=functools.partial(random_prompts, device=device),
+                rollout_metrics=rollout_stats, log=beta_log,
+                sample_corpus=functools.partial(random_rows, corpus_tokens), interrupted=run.interrupted)
+            iterations_done = len(histories[beta])
+            # saved also when interrupted: every PPO iterate is a usable policy
+            run.save(ppo_checkpoint_name(args, beta), policy, critic=critic.state_dict(),
+                     ppo_iterations_done=iterations_done)
+            run.exit_if_interrupted(f"PPO (beta {beta:g}, iteration {iterations_done})")
+            finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
+            episodes = iterations_done * args.rollout_batch_size
+            beta_log({"stage": "eval", "beta": beta, "episode": episodes, **finals[beta]})
+        # Best-of-n from the SFT policy: the baseline to compare PPO with at the same KL.
+        bon = best_of_n(args, sft, score_fn, device)
+        for row in bon:
+            log(row)
+
+        summary = log_summary(args, log, start, rm_info, sft_eval, finals, bon)
+        if args.sweep:
+            report_sweep(args, run_dir, histories, finals, bon)
+        run.exit_if_interrupted("the final evaluation")
+    return {**summary, "histories": histories}
 
 
-def moving_average(values, window=SMOOTHING_WINDOW):
-    """Centred moving average over `window` iterations (all of them if fewer): output j is centred on input
-    j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and peaks use this."""
-    window = min(window, len(values))
-    return np.convolve(values, np.ones(window) / window, mode="valid")
+# ---- Appendix: plumbing ----
+# ---------------------------------------------------------------- set-up: run directory, seeds, device
+def create_run_dir(args):
+    """runs/{run_name}, created exclusively: two runs started in the same second with the same name
+    (a sweep) never share a directory; the later one takes the next free name, suffixed -2, -3, ...
+    Returns (name, path)."""
+    base_name = f"rlhf_sentiment__{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs("runs", exist_ok=True)
+    run_name = base_name
+    suffix = 1
+    while True:
+        run_dir = os.path.join("runs", run_name)
+        try:
+            os.makedirs(run_dir, exist_ok=False)  # atomic: of two racing runs exactly one succeeds
+            return run_name, run_dir
+        except FileExistsError:
+            suffix += 1
+            run_name = f"{base_name}-{suffix}"
 
 
-def smoothed_peak(histories, key="gold/score", window=SMOOTHING_WINDOW):
-    """Where the seed-mean of the smoothed `key` curves peaks. `histories`: one PPO history per seed (same length).
-    Returns the iteration (1-based, the window's centre), key and KL there, each with its standard error."""
-    window = min(window, len(histories[0]))
-    curves = {name: np.stack([moving_average([record[name] for record in history], window) for history in histories])
-              for name in (key, "objective/kl")}
-    mean, error = mean_and_standard_error(curves[key])
-    peak = int(mean.argmax())
-    kl_mean, kl_error = mean_and_standard_error(curves["objective/kl"])
-    return {"iteration": peak + (window - 1) // 2 + 1, key: float(mean[peak]), f"{key} se": float(error[peak]),
-            "objective/kl": float(kl_mean[peak]), "objective/kl se": float(kl_error[peak])}
+def seed_and_choose_device(args):
+    """Seeds random, numpy and torch; the same seed gives the same run on CPU."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
-def plot_sweep(runs, path):
-    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep. `runs` holds one
-    (histories by beta, best-of-n rows) pair per seed. Lines: the mean over seeds of each seed's centred moving
-    average; bands: +- one standard error over seeds (none with one seed)."""
-    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
+# ---------------------------------------------------------------- signals and checkpoints of a run
+class StopOnSignal:
+    """The first Ctrl-C or SIGTERM only records the signal: each stage's loop reads `interrupted`
+    between steps, and train() then stops with nothing half written (exit_if_interrupted). A second
+    one stops at once. On leaving: the previous handlers come back and the logger is closed. Also
+    keeps the list of checkpoints saved so far, for the message of an interrupted run."""
 
-    fig = Figure(figsize=(17, 4.8))
-    axes = fig.subplots(1, 3)
-    colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
-    def curve(beta, key, transform=np.asarray):  # mean and standard error over seeds of the smoothed curves
-        smoothed = [moving_average(transform([record[key] for record in histories[beta]])) for histories, _ in runs]
-        return mean_and_standard_error(smoothed)
+    def __init__(self, args, run_dir, log):
+        self.save_model = args.save_model
+        self.run_dir = run_dir
+        self.log = log
+        self.interrupted = []
+        self.saved = []
+        self.previous = {}
 
-    for beta, color in zip(runs[0][0], colors):
-        sqrt_kl = curve(beta, "objective/kl", lambda kl: np.sqrt(np.maximum(kl, 0)))[0]
-        episodes = curve(beta, "episode")[0]
-        for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
-            mean, error = curve(beta, key)
-            axes[0].plot(sqrt_kl, mean, style, color=color, label=f"PPO beta={beta:g}: {what}")
-            axes[0].fill_between(sqrt_kl, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-            axes[1].plot(episodes, mean, style, color=color)
-            axes[1].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-        mean, error = curve(beta, "objective/kl")
-        axes[2].plot(episodes, mean, color=color, label=f"beta={beta:g}")
-        axes[2].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-    bon_rows = runs[0][1]
-    for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
-        mean, error = mean_and_standard_error([[row[key] for row in bon] for _, bon in runs])
-        label = f"best-of-n (n <= {bon_rows[-1]['n']}): {key.split('/')[0]}, KL upper bound"
-        axes[0].errorbar([math.sqrt(row["kl_bound"]) for row in bon_rows], mean, yerr=error, fmt=style, ms=4,
-                         color="tab:red", label=label)
-    seeds = f"mean +- SE over {len(runs)} seeds, " if len(runs) > 1 else ""
-    smoothing = f"{seeds}{SMOOTHING_WINDOW}-iteration centred moving average"
-    ylabel = "score (solid: hidden gold, dashed: proxy RM)"
-    axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
-    axes[1].set(xlabel="episodes", ylabel=ylabel, title=f"gold and proxy during PPO\n({smoothing})")
-    axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    def handler(self, signum, frame):
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted.append(signum)
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after the current step (again: stop now)", flush=True)
 
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
 
-def summary_line(name, evaluation):
-    """One line of the final summary, and two sample texts."""
-    return (f"{name:<18} gold {evaluation['gold/score']:+.3f} | proxy {evaluation['proxy/score']:+.3f} | KL "
-            f"{evaluation['objective/kl']:6.2f} | grammar {evaluation['gold/grammar_rate']:.2f} | eos "
-            f"{evaluation['gold/eos_rate']:.2f} | repeats {evaluation['gold/repeat_rate']:.2f} | distinct "
-            f"{evaluation['gold/distinct_frac']:.2f}\n    " + "\n    ".join(evaluation["samples"][:2]))
+    def __exit__(self, *exception):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.log.close()
+        return False
+
+    def save(self, name, model, **extra):
+        """With --save-model, runs/{run_name}/{name}; nothing for a stage cut short (None)."""
+        if self.save_model and model is not None:
+            save_checkpoint(os.path.join(self.run_dir, name), model, **extra)
+            self.saved.append(name)
+
+    def exit_if_interrupted(self, stage):
+        """After a first Ctrl-C / SIGTERM: one line on what was kept; exit status 128 + signal."""
+        if not self.interrupted:
+            return
+        kept = ", ".join(self.saved) if self.saved else "no checkpoints (--save-model keeps the finished stages)"
+        print(f"{signal.Signals(self.interrupted[0]).name}: stopped during {stage}; kept in {self.run_dir}: "
+              f"metrics.jsonl, TensorBoard events, {kept}", flush=True)
+        raise SystemExit(128 + self.interrupted[0])
 
 
-# ---------------------------------------------------------------- plumbing: validation, logging, checkpoints
-# Every numeric flag's allowed range: (test, what the error message says is allowed). validate_args checks them
-# all before anything is allocated; a test tries one bad value for each.
-RANGE_POSITIVE = (lambda value: value > 0, "> 0")
-RANGE_FINITE_POSITIVE = (lambda value: math.isfinite(value) and value > 0, "finite and > 0")
-RANGE_FINITE_NON_NEGATIVE = (lambda value: math.isfinite(value) and value >= 0, "finite and >= 0")
-RANGE_PROBABILITY = (lambda value: 0 <= value <= 1, "in [0, 1]")
+def ppo_checkpoint_name(args, beta):
+    if args.sweep:
+        return f"ppo_policy_beta{beta:g}.pt"
+    return "ppo_policy.pt"
+
+
+# ---------------------------------------------------------------- console lines and summaries
+def logger_for_beta(log, args, beta):
+    """A sweep logs each beta's PPO and eval records to TensorBoard's beta_{beta}: its own run."""
+    if args.sweep:
+        return functools.partial(log, tensorboard_run=f"beta_{beta:g}")
+    return log
+
+
+def ppo_log_line(record, iteration, args, start):
+    """The console line of a PPO iteration, with the time left at this iteration's pace."""
+    eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
+    return (f"ppo beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
+            f"{record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | proxy "
+            f"{record['objective/scores']:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
+            f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
+            f"ratio {record['val/ratio']:.3f}")
+
+
+def log_summary(args, log, start, rm_info, sft_eval, finals, bon):
+    """Prints the final summary (the RM, SFT, each PPO run beside the best-of-n of the closest KL
+    bound) and logs it as the "summary" record, which it returns."""
+    print(f"\n=== summary ({time.time() - start:.0f}s) ===\nreward model: held-out accuracy "
+          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
+          f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
+          f"order\n              ({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} "
+          "training pairs)")
+    print(summary_line("SFT", sft_eval))
+    for beta, evaluation in finals.items():
+        match = min(bon, key=lambda row: abs(row["kl_bound"] - evaluation["objective/kl"]))  # closest KL bound
+        adaptive = " (adaptive)" if args.adaptive_kl else ""
+        largest = ", the largest n" if match is bon[-1] else ""
+        print(summary_line(f"PPO beta={beta:g}{adaptive}", evaluation))
+        print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}{largest}): "
+              f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
+    summary = {"stage": "summary", "rm": rm_info, "sft": sft_eval,
+               "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
+               "wall_s": time.time() - start}
+    log(summary)
+    return summary
+
+
+def report_sweep(args, run_dir, histories, finals, bon):
+    """The sweep's plot, and one line per beta: the peak of its smoothed gold curve, and its end."""
+    plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
+    os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+    plot_sweep([(histories, bon)], plot_path)
+    for beta, history in histories.items():
+        peak = smoothed_peak([history])
+        final = finals[beta]
+        print(f"sweep beta={beta:g}: peak of the smoothed gold {peak['gold/score']:+.3f} at KL "
+              f"{peak['objective/kl']:.2f} (iteration {peak['iteration']}; {SMOOTHING_WINDOW}-iteration "
+              f"centred moving average of rollout-batch means); final gold {final['gold/score']:+.3f}, "
+              f"proxy {final['proxy/score']:+.3f}, KL {final['objective/kl']:.2f}")
+    print(f"plot: {plot_path}")
+
+
+# ---------------------------------------------------------------- flag checks, logging, checkpoints
+# Every numeric flag's allowed range: (test, what the error message says is allowed). validate_args
+# checks them all before anything is allocated; a test tries one bad value for each.
+def is_positive(value):
+    return value > 0
+
+
+def is_finite_positive(value):
+    return math.isfinite(value) and value > 0
+
+
+def is_finite_non_negative(value):
+    return math.isfinite(value) and value >= 0
+
+
+def is_probability(value):
+    return 0 <= value <= 1
+
+
+RANGE_POSITIVE = (is_positive, "> 0")
+RANGE_FINITE_POSITIVE = (is_finite_positive, "finite and > 0")
+RANGE_FINITE_NON_NEGATIVE = (is_finite_non_negative, "finite and >= 0")
+RANGE_PROBABILITY = (is_probability, "in [0, 1]")
 FLAG_RANGES = {
     "seed": (lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
     "corpus_size": RANGE_POSITIVE,
@@ -905,8 +982,8 @@ FLAG_RANGES = {
 
 
 def validate_args(args):
-    """One-line errors naming the flag, before anything is allocated: every numeric flag's range, the flags that
-    constrain each other, and the checkpoints given to --load-sft / --load-rm."""
+    """One-line errors naming the flag, before anything is allocated: every numeric flag's range,
+    the flags that constrain each other, and the checkpoints given to --load-sft / --load-rm."""
     for name, (allowed, what) in FLAG_RANGES.items():
         value = getattr(args, name)
         if not allowed(value):
@@ -923,8 +1000,8 @@ def validate_args(args):
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
-    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know every token and
-    # have a position embedding for every position the other flags will feed it.
+    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know
+    # every token and have a position embedding for every position the other flags will feed it.
     for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
         if path is None:
             continue
@@ -943,12 +1020,14 @@ def validate_args(args):
 
 
 class Logger:
-    """One record (a dict with a "stage") per call: a line of runs/{run_name}/metrics.jsonl, the machine-readable
-    record; its numbers as TensorBoard scalars in the same directory (`tensorboard --logdir runs`); an optional
-    console line; and wandb with --track. TensorBoard tags are the metrics.jsonl keys, except that eval, bon and
-    summary records prefix theirs with the stage (eval/gold/score), since those keys repeat PPO's; "samples" become
-    text. Steps: sft = optimizer step, rm = epoch, ppo and eval = episode, bon = n, summary = 0. A sweep writes each
-    beta's ppo and eval records under the subdirectory beta_{beta}, which TensorBoard shows as a run of its own."""
+    """One record (a dict with a "stage") per call: a line of runs/{run_name}/metrics.jsonl, the
+    machine-readable record; its numbers as TensorBoard scalars in the same directory (`tensorboard
+    --logdir runs`); an optional console line; and wandb with --track. TensorBoard tags are the
+    metrics.jsonl keys, except that eval, bon and summary records prefix theirs with the stage
+    (eval/gold/score), since those keys repeat PPO's; "samples" become text. Steps: sft = optimizer
+    step, rm = epoch, ppo and eval = episode, bon = n, summary = 0. A sweep writes each beta's ppo
+    and eval records under the subdirectory beta_{beta}, which TensorBoard shows as a run of its
+    own."""
 
     STEP_KEY = {"sft": "step", "rm": "epoch", "ppo": "episode", "eval": "episode", "bon": "n"}
 
@@ -999,16 +1078,17 @@ class Logger:
 
 
 def save_checkpoint(path, model, **extra):
-    """The model's config (plain Python values) and weights, plus `extra` (tensors, numbers, strings, lists,
-    dicts only), so that load_checkpoint can read it with weights_only=True."""
+    """The model's config (plain Python values) and weights, plus `extra` (tensors, numbers,
+    strings, lists, dicts only), so that load_checkpoint can read it with weights_only=True."""
     torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
 
 
 def load_checkpoint(path, flag, device):
-    """A checkpoint written by save_checkpoint -> (model, checkpoint dict). torch.load(weights_only=True) refuses
-    any pickled Python object other than tensors and plain values, without running it. A refused, damaged or
-    foreign file stops the run with one line naming the flag, the file and what is wrong."""
+    """A checkpoint written by save_checkpoint -> (model, checkpoint dict).
+    torch.load(weights_only=True) refuses any pickled Python object other than tensors and plain
+    values, without running it. A refused, damaged or foreign file stops the run with one line
+    naming the flag, the file and what is wrong."""
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one-line error below says it all
             warnings.simplefilter("ignore")
@@ -1036,141 +1116,148 @@ def load_checkpoint(path, flag, device):
     return model, checkpoint
 
 
-def catch_interrupt():
-    """The first Ctrl-C or SIGTERM only records the signal; each stage's loop reads it between steps, and train()
-    then stops with nothing half written. A second one stops at once."""
-    interrupted = []
-
-    def handler(signum, frame):
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step (again: stop now)", flush=True)
-    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-    return interrupted, previous
+# ---------------------------------------------------------------- the PPO iteration's record
+def per_sequence(per_token, mask):
+    """Summed over each sequence's response tokens, then averaged over the sequences (as TRL)."""
+    return float((per_token * mask).sum(1).mean())
 
 
-def exit_if_interrupted(interrupted, stage, run_dir, saved):
-    """After the first Ctrl-C / SIGTERM: one line saying what was kept; exit status 128 + the signal's number."""
-    if not interrupted:
-        return
-    kept = ", ".join(saved) if saved else "no checkpoints (--save-model keeps the finished stages)"
-    print(f"{signal.Signals(interrupted[0]).name}: stopped during {stage}; kept in {run_dir}: metrics.jsonl, "
-          f"TensorBoard events, {kept}", flush=True)
-    raise SystemExit(128 + interrupted[0])
+def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second, eos_id=EOS):
+    """One PPO iteration's metrics.jsonl record, under TRL's names (docs/rlhf.md says what each
+    means): the rollout's objective (KL, entropy, score, Eq. 2's reward), the update's means over
+    minibatches, and the critic's fit."""
+    mask = batch["mask"]
+    mean = {key: float(np.mean([minibatch[key] for minibatch in stats])) for key in stats[0]}
+    score = float(batch["scores"].mean())
+    penalty_kl = per_sequence(batch["kl"], mask)  # the estimator of --kl-estimator, as in the rewards
+    record = {
+        "stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes_per_second,
+        "objective/kl": per_sequence(batch["logp"] - batch["ref_logp"], mask),
+        "objective/kl_k3": per_sequence(kl_estimate(batch["logp"], batch["ref_logp"], "k3"), mask),
+        "objective/entropy": per_sequence(-batch["logp"], mask), "objective/kl_coef": beta,
+        "objective/scores": score, "objective/non_score_reward": -beta * penalty_kl,
+        "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
+        "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
+        "loss/policy_avg": mean["pg_loss"], "loss/value_avg": mean["vf_loss"]}
+    if "ptx_loss" in mean:
+        record["loss/ptx_avg"] = mean["ptx_loss"]
+    record.update({
+        "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
+        "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
+        "val/var_explained": explained_variance(batch["values"], batch["returns"], mask),
+        "val/num_eos_tokens": int((batch["responses"] == eos_id).sum()),
+        "ppo/returns/mean": float(masked_mean(batch["returns"], mask)),
+        "ppo/returns/var": float(masked_var(batch["returns"], mask))})
+    return record
 
 
-# ---------------------------------------------------------------- the story
-def train(args: Args):
-    validate_args(args)
-    run_name = f"rlhf_sentiment__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    log = Logger(args, run_dir, run_name)
-    start = time.time()
-    print(f"run {run_name} on {device}")
-    interrupted, previous_handlers = catch_interrupt()
-    saved = []  # checkpoints written so far, for the message of an interrupted run
-    try:
-        # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx samples it too.
-        corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]  # `random` is seeded
-        corpus_tokens = encode_sentences(corpus, PROMPT_LEN + args.max_response_len, device)
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the
+    returns, 0 = no better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's
+    explained_variance)."""
+    returns_var = masked_var(returns, mask)
+    return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
 
-        # 2. SFT: the initial policy, which is also the frozen reference policy pi_ref.
-        if args.load_sft:
-            sft = load_checkpoint(args.load_sft, "--load-sft", device)[0]
-        else:
-            print("corpus:", *[" ".join(sentence) for sentence in corpus[:3]], sep="\n    ")
-            sft = train_sft(args, corpus_tokens, device, log, interrupted)  # None if Ctrl-C / SIGTERM stopped it
-        if args.save_model and sft is not None:
-            save_checkpoint(os.path.join(run_dir, "sft.pt"), sft)
-            saved.append("sft.pt")
-        exit_if_interrupted(interrupted, "SFT", run_dir, saved)
-        ref_policy = copy.deepcopy(sft).requires_grad_(False)
 
-        # 3. Preference pairs labelled through the hidden gold reward, and 4. the reward model.
-        if args.load_rm:
-            rm, checkpoint = load_checkpoint(args.load_rm, "--load-rm", device)
-            rm_info = checkpoint["rm_info"]
-            log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
-        else:
-            pairs = make_preference_pairs(args, sft, device)
-            rm, rm_info = train_reward_model(args, sft, pairs, device, log, interrupted)  # None, None if stopped
-        if args.save_model and rm is not None:
-            save_checkpoint(os.path.join(run_dir, "rm.pt"), rm, rm_info=rm_info)
-            saved.append("rm.pt")
-        exit_if_interrupted(interrupted, "the reward model", run_dir, saved)
-        rm.requires_grad_(False)
-        score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
+def rollout_stats(batch, iteration):
+    """The toy's own metrics of a PPO iteration, on the rollout batch itself: proxy and gold scores,
+    the gates, and every SAMPLE_EVERY iterations a few sample texts (printed too)."""
+    stats = {"proxy/score": float(batch["scores"].mean()), **language_stats(batch["responses"])}
+    if iteration % SAMPLE_EVERY == 0:
+        texts = torch.cat([batch["queries"], batch["responses"]], 1)[:3].tolist()
+        stats["samples"] = [" ".join(decode(row)) for row in texts]
+        print("    " + "\n    ".join(stats["samples"]))
+    return stats
 
-        # 5. PPO, once or once per beta of the sweep (the same SFT policy and RM), each followed by 6. its evaluation.
-        sft_eval = evaluate(args, sft, ref_policy, score_fn, device)
-        prompt_fn = lambda n: random_prompts(n, device)
-        corpus_batch = lambda n: corpus_tokens[torch.randint(0, len(corpus_tokens), (n,), device=device)]
-        histories = {}
-        finals = {}
-        for beta in args.sweep_betas if args.sweep else (args.beta,):
-            exit_if_interrupted(interrupted, "evaluation", run_dir, saved)
-            torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
-            policy = copy.deepcopy(sft).requires_grad_(True)
-            critic = critic_from_reward_model(rm, rm_info)
-            run_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}") if args.sweep else log
-            histories[beta] = run_ppo(args, beta, policy, ref_policy, critic, score_fn, prompt_fn, rollout_stats,
-                                      run_log, pretrain_batch_fn=corpus_batch, interrupted=interrupted)
-            if args.save_model:  # also when interrupted: every PPO iterate is a usable policy
-                name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
-                save_checkpoint(os.path.join(run_dir, name), policy, critic=critic.state_dict(),
-                                ppo_iterations_done=len(histories[beta]))
-                saved.append(name)
-            exit_if_interrupted(interrupted, f"PPO (beta {beta:g}, iteration {len(histories[beta])})", run_dir, saved)
-            # 6. Evaluation on fresh samples, against the hidden gold reward; best-of-n from SFT below.
-            finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
-            run_log({"stage": "eval", "beta": beta, "episode": len(histories[beta]) * args.rollout_batch_size,
-                     **finals[beta]})
-        bon = best_of_n(args, sft, score_fn, device)
-        for row in bon:
-            log(row)
 
-        print(f"\n=== summary ({time.time() - start:.0f}s) ===\nreward model: held-out accuracy "
-              f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
-              f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
-              f"order\n              ({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} "
-              "training pairs)")
-        print(summary_line("SFT", sft_eval))
-        for beta, evaluation in finals.items():
-            match = min(bon, key=lambda row: abs(row["kl_bound"] - evaluation["objective/kl"]))  # closest KL bound
-            print(summary_line(f"PPO beta={beta:g}" + (" (adaptive)" if args.adaptive_kl else ""), evaluation))
-            print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}"
-                  f"{', the largest n' if match is bon[-1] else ''}): "
-                  f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
-        summary = {"stage": "summary", "rm": rm_info, "sft": sft_eval,
-                   "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
-                   "wall_s": time.time() - start}
-        log(summary)
-        if args.sweep:
-            plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
-            os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-            plot_sweep([(histories, bon)], plot_path)
-            for beta, history in histories.items():
-                peak = smoothed_peak([history])
-                final = finals[beta]
-                print(f"sweep beta={beta:g}: peak of the smoothed gold {peak['gold/score']:+.3f} at KL "
-                      f"{peak['objective/kl']:.2f} (iteration {peak['iteration']}; {SMOOTHING_WINDOW}-iteration "
-                      f"centred moving average of rollout-batch means); final gold {final['gold/score']:+.3f}, "
-                      f"proxy {final['proxy/score']:+.3f}, KL {final['objective/kl']:.2f}")
-            print(f"plot: {plot_path}")
-        exit_if_interrupted(interrupted, "the final evaluation", run_dir, saved)
-    finally:
-        for signum, handler in previous_handlers.items():
-            signal.signal(signum, handler)
-        log.close()
-    return {**summary, "histories": histories}
+# ---------------------------------------------------------------- statistics over seeds and the sweep's plot
+# PPO iterations in the centred moving average of the sweep's curves and peaks: enough to average
+# out the noise of rollout-batch means, short enough to keep beta = 0's gold peak, which lasts a few
+# iterations (a 9-iteration window lowered it by another 0.19, mean of 3 seeds)
+SMOOTHING_WINDOW = 5
+
+
+def mean_and_standard_error(values, axis=0):
+    """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); 0 with a single seed."""
+    values = np.asarray(values, dtype=float)
+    seeds = values.shape[axis]
+    spread = values.std(axis=axis, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(axis))
+    return values.mean(axis=axis), spread
+
+
+def moving_average(values, window=SMOOTHING_WINDOW):
+    """Centred moving average over `window` iterations (all of them if fewer): output j is centred
+    on input j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and peaks use
+    this."""
+    window = min(window, len(values))
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def smoothed_peak(histories, key="gold/score", window=SMOOTHING_WINDOW):
+    """Where the seed-mean of the smoothed `key` curves peaks. `histories`: one PPO history per seed
+    (same length). Returns the iteration (1-based, the window's centre), key and KL there, each with
+    its standard error."""
+    window = min(window, len(histories[0]))
+    curves = {name: np.stack([moving_average([record[name] for record in history], window) for history in histories])
+              for name in (key, "objective/kl")}
+    mean, error = mean_and_standard_error(curves[key])
+    peak = int(mean.argmax())
+    kl_mean, kl_error = mean_and_standard_error(curves["objective/kl"])
+    return {"iteration": peak + (window - 1) // 2 + 1, key: float(mean[peak]), f"{key} se": float(error[peak]),
+            "objective/kl": float(kl_mean[peak]), "objective/kl se": float(kl_error[peak])}
+
+
+def plot_sweep(runs, path):
+    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep.
+    `runs` holds one (histories by beta, best-of-n rows) pair per seed. Lines: the mean over seeds
+    of each seed's centred moving average; bands: +- one standard error over seeds (none with one
+    seed)."""
+    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
+
+    fig = Figure(figsize=(17, 4.8))
+    axes = fig.subplots(1, 3)
+    colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
+    def curve(beta, key, transform=np.asarray):  # mean and standard error over seeds of the smoothed curves
+        smoothed = [moving_average(transform([record[key] for record in histories[beta]])) for histories, _ in runs]
+        return mean_and_standard_error(smoothed)
+
+    for beta, color in zip(runs[0][0], colors):
+        sqrt_kl = curve(beta, "objective/kl", lambda kl: np.sqrt(np.maximum(kl, 0)))[0]
+        episodes = curve(beta, "episode")[0]
+        for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
+            mean, error = curve(beta, key)
+            axes[0].plot(sqrt_kl, mean, style, color=color, label=f"PPO beta={beta:g}: {what}")
+            axes[0].fill_between(sqrt_kl, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+            axes[1].plot(episodes, mean, style, color=color)
+            axes[1].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+        mean, error = curve(beta, "objective/kl")
+        axes[2].plot(episodes, mean, color=color, label=f"beta={beta:g}")
+        axes[2].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+    bon_rows = runs[0][1]
+    for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
+        mean, error = mean_and_standard_error([[row[key] for row in bon] for _, bon in runs])
+        label = f"best-of-n (n <= {bon_rows[-1]['n']}): {key.split('/')[0]}, KL upper bound"
+        axes[0].errorbar([math.sqrt(row["kl_bound"]) for row in bon_rows], mean, yerr=error, fmt=style, ms=4,
+                         color="tab:red", label=label)
+    seeds = f"mean +- SE over {len(runs)} seeds, " if len(runs) > 1 else ""
+    smoothing = f"{seeds}{SMOOTHING_WINDOW}-iteration centred moving average"
+    ylabel = "score (solid: hidden gold, dashed: proxy RM)"
+    axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
+    axes[1].set(xlabel="episodes", ylabel=ylabel, title=f"gold and proxy during PPO\n({smoothing})")
+    axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+def summary_line(name, evaluation):
+    """One line of the final summary, and two sample texts."""
+    return (f"{name:<18} gold {evaluation['gold/score']:+.3f} | proxy {evaluation['proxy/score']:+.3f} | KL "
+            f"{evaluation['objective/kl']:6.2f} | grammar {evaluation['gold/grammar_rate']:.2f} | eos "
+            f"{evaluation['gold/eos_rate']:.2f} | repeats {evaluation['gold/repeat_rate']:.2f} | distinct "
+            f"{evaluation['gold/distinct_frac']:.2f}\n    " + "\n    ".join(evaluation["samples"][:2]))
 
 
 if __name__ == "__main__":

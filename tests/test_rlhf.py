@@ -8,6 +8,7 @@ controller (Ziegler et al. 2019, arXiv 1909.08593, eq. 2); the best-of-n KL boun
 2020, arXiv 2009.01325, App. G.3); the reward-head init N(0, 1/sqrt(d+1)) of OpenAI's lm-human-preferences code;
 and the optimum of the KL-regularised objective E[r] - beta KL(pi || pi_ref), pi* = pi_ref exp(r / beta) / Z with
 value beta log Z (e.g. Rafailov et al. 2023, arXiv 2305.18290, eq. 4)."""
+import concurrent.futures
 import copy
 import dataclasses
 import itertools
@@ -417,7 +418,8 @@ def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
                   rollout_batch_size=256, num_minibatches=4, ppo_lr=lr, **overrides)
     policy = copy.deepcopy(ref).requires_grad_(True)
     critic = TablePolicy(1, 0.0)
-    M.run_ppo(args, beta, policy, ref, critic, score_fn, enumerable_prompts, eos_id=ENUM_EOS)
+    M.run_ppo(args, beta=beta, policy=policy, ref_policy=ref, critic=critic, score_fn=score_fn,
+              sample_prompts=enumerable_prompts, eos_id=ENUM_EOS)
     pi = exact_distribution(policy, responses, args.temperature)
     pi_ref = exact_distribution(ref, responses, args.temperature)
     return pi, pi_ref, rewards, critic(torch.full((1, 1), M.BOS))[0, 0].item()
@@ -495,7 +497,8 @@ def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo(
     args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, ppo_iterations=8, rollout_batch_size=64,
                   num_minibatches=4, ppo_lr=0.05, adaptive_kl=True, kl_target=0.05, kl_horizon=200)
     policy = copy.deepcopy(ref).requires_grad_(True)
-    history = M.run_ppo(args, 0.5, policy, ref, TablePolicy(1, 0.0), score_fn, enumerable_prompts, eos_id=ENUM_EOS)
+    history = M.run_ppo(args, beta=0.5, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
+                        score_fn=score_fn, sample_prompts=enumerable_prompts, eos_id=ENUM_EOS)
     assert history[0]["objective/kl_coef"] == 0.5
     for before, after in zip(history, history[1:]):
         expected = M.adaptive_kl_beta(before["objective/kl_coef"], before["objective/kl"], 0.05, 64, 200)
@@ -525,8 +528,9 @@ def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update():
         args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=0.0, ppo_iterations=4, rollout_batch_size=64,
                       num_minibatches=4, ppo_lr=0.05, ptx_coef=ptx_coef)
         policy = copy.deepcopy(ref).requires_grad_(True)
-        history = M.run_ppo(args, 0.0, policy, ref, TablePolicy(1, 0.0), zero_score, enumerable_prompts,
-                            eos_id=ENUM_EOS, pretrain_batch_fn=corpus_batch)
+        history = M.run_ppo(args, beta=0.0, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
+                            score_fn=zero_score, sample_prompts=enumerable_prompts, eos_id=ENUM_EOS,
+                            sample_corpus=corpus_batch)
         probability[ptx_coef] = exact_distribution(policy, responses, 1.0)[target_index].item()
         if ptx_coef == 0:
             assert calls == [] and "loss/ptx_avg" not in history[0]
@@ -716,6 +720,37 @@ def test_end_to_end_small(in_tmp):
     assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm"]["rm/train_pairs"] > 100
 
 
+def test_two_runs_with_the_same_name_get_two_run_directories(in_tmp, monkeypatch):
+    """A sweep that starts two runs in the same second with the same seed and --exp-name: each run creates
+    its own directory (the second one suffixed -2), with its own rows and flags."""
+    ticks = itertools.count()
+
+    class SameSecond:  # every call in one second, so both runs get one name; still moving: timings stay finite
+        @staticmethod
+        def time():
+            return 1e9 + next(ticks) * 1e-6
+
+    monkeypatch.setattr(M, "time", SameSecond)
+    for ppo_lr in (3e-4, 1e-4):
+        M.train(M.Args(**MICRO, ppo_lr=ppo_lr))
+    names = sorted(os.listdir(in_tmp / "runs"))
+    assert names == ["rlhf_sentiment__ppo_rlhf_toy__1__1000000000", "rlhf_sentiment__ppo_rlhf_toy__1__1000000000-2"]
+    for name, ppo_lr in zip(names, (3e-4, 1e-4)):
+        records = read_records(in_tmp / "runs" / name)
+        assert [record["stage"] for record in records].count("summary") == 1
+        ppo_records = [record for record in records if record["stage"] == "ppo"]
+        assert len(ppo_records) == MICRO["ppo_iterations"] and ppo_records[0]["lr"] == ppo_lr
+
+
+def test_run_directories_created_at_once_are_all_distinct(in_tmp, monkeypatch):
+    """Eight runs creating their directory at the same moment, under the same name: eight directories."""
+    monkeypatch.setattr(M.time, "time", lambda: 1e9)
+    args = M.Args()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(M.create_run_dir, [args] * 8))
+    assert len({run_dir for _, run_dir in created}) == 8 and len(os.listdir(in_tmp / "runs")) == 8
+
+
 def test_same_seed_same_run(in_tmp):
     def run(**overrides):  # everything the run reports except the timings
         summary = M.train(M.Args(**MICRO, **overrides))
@@ -777,13 +812,15 @@ def test_seeds_tool_mean_and_standard_error_and_tensorboard_events_of_each_run(i
     assert rlhf_seeds.gold_at_kl(history, 1.0) == 2.0 and rlhf_seeds.gold_at_kl(history, 2.0) is None
     output = capsys.readouterr().out
     assert "mean ± standard error over 2 seeds" in output and "| PPO, β = 0.05 |" in output
-    # each run's TensorBoard events, and the docstring's table documents every metrics.jsonl key
+    # each run's TensorBoard events, and the table of docs/rlhf.md documents every metrics.jsonl key
     run_dirs = sorted((in_tmp / "runs").glob("rlhf_sentiment__*"))
     assert len(run_dirs) == 2
     records = check_tensorboard_events(run_dirs[0], (0.0, 0.05))
     assert [record["objective/kl_coef"] for record in records if record["stage"] == "ppo"] == [0.0] * 3 + [0.05] * 3
     documented = set()
-    for line in M.__doc__.splitlines():
+    with open(os.path.join(ROOT, "docs", "rlhf.md")) as docs:
+        table = docs.read()
+    for line in table.splitlines():
         if line.startswith("| ") and not line.startswith("| key"):
             documented.update(name.strip() for name in line.split("|")[1].split(","))
     logged = {key for record in records for key in record}
