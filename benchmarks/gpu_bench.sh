@@ -9,7 +9,10 @@
 #                                             auxiliary phase; IMPALA synchronous (lag 0) against overlapped
 #                                             (lag 1), plain and fast, with the time the learner waits for unrolls
 #   starpilot_easy.png, aggregate.md,      3. a short PPO-vs-PPG learning run on StarPilot (2 seeds each, fast path,
-#   runs.tar.gz                               two runs at a time), turned into a figure and a table by results.py;
+#   runs.tar.gz                               two runs at a time), turned into a figure and a table by results.py,
+#                                             PPO against the anchor's own runs at the same steps (baselines PPO,
+#                                             train-procgen easy-all: benchmarks/reference/; no anchor ran PPG in easy
+#                                             mode), and the on-track line per algorithm in the log;
 #                                             the runs' metrics.jsonl and args.json in the archive
 #                                          4. a one-rank torchrun run of PPO (the NCCL path), 2 iterations
 # Run from the repo root on a CUDA machine after `pip install -r requirements.txt`: bash benchmarks/gpu_bench.sh
@@ -69,7 +72,8 @@ print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda)"
         done
         echo "== learning: $((SECONDS - start)) s"
     fi
-    step results "$python" benchmarks/results.py runs --out "$out/results"
+    step results "$python" benchmarks/results.py runs --reference --out "$out/results"
+    step on-track "$python" benchmarks/results.py runs --on-track
     # After results.py, which should not see this run: the NCCL path of the data-parallel set-up, one rank on the one
     # GPU (init, broadcast, all-reduce, a checkpoint), 2 iterations.
     step nccl-smoke "$python" -m torch.distributed.run --standalone --nproc-per-node 1 ppo_procgen.py \

@@ -88,7 +88,7 @@ done
 read -r -a gpus <<< "$GPUS"
 if [ "$DRY_RUN" = 1 ]; then  # the plain list: a scheduler assigns the devices
     printf '%s\n' "${jobs[@]}"
-    echo $PYTHON benchmarks/results.py $RUNS_DIR $RESULTS_FLAGS  # unquoted: one space between words
+    echo $PYTHON benchmarks/results.py $RUNS_DIR --reference $RESULTS_FLAGS  # unquoted: one space between words
     exit 0
 fi
 
@@ -136,5 +136,5 @@ if [ "$status" -eq 130 ]; then
     echo "interrupted: continue a run with python <script> --resume runs/<run>/checkpoint.pt, or rerun the suite"
     exit 130
 fi
-$PYTHON benchmarks/results.py "$RUNS_DIR" $RESULTS_FLAGS || status=1
+$PYTHON benchmarks/results.py "$RUNS_DIR" --reference $RESULTS_FLAGS || status=1  # against the anchors' own runs
 exit $status

@@ -2,6 +2,7 @@
 
   python benchmarks/results.py runs                         # figures and tables in runs/_results/
   python benchmarks/results.py runs --score eval --out docs/results
+  python benchmarks/results.py runs --on-track             # in progress: each game against the official runs
 
 Reads every run folder under RUNS (at any depth): `args.json` (the run's flags, written when it starts) and
 `metrics.jsonl` (a row per iteration and per evaluation). Runs are grouped by algorithm (`--exp-name`: the scripts'
@@ -14,10 +15,20 @@ stems read PPO, PPG and IMPALA, any other name is shown as given), game, distrib
 - the same summary on the console.
 A crashed run is read up to its last complete row and marked partial, as is a run that stopped short of its steps.
 
+Against the anchors' own runs (`--reference`, on by default; `--no-reference` turns it off): where a run's script,
+game, mode and flags match runs that the official PPG code or train-procgen committed (benchmarks/reference/; the
+rules in `match_references`, the expected values in docs/results.md), the figures draw those runs behind ours and
+aggregate.md compares both with the same estimators at the same environment steps, with P(ours > theirs).
+`--on-track` prints only one line per game for runs in progress:
+
+  python benchmarks/results.py runs --on-track
+  PPG (hard) starpilot @ 12.0M: ours 14.2 ± 1.1 (3 seeds) vs official PPG 10.6 [9.2, 12.0] (above)
+
 The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice" (NeurIPS), as in
 their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch);
 README.md ("Why not rliable itself") records a cross-check against rliable 1.2.0.
 """
+import gzip
 import json
 import os
 import sys
@@ -56,6 +67,12 @@ class Args:
     """coverage of the confidence intervals and of the curves' bands"""
     seed: int = 0
     """seed of the bootstrap's random generator (the same seed gives the same intervals)"""
+    reference: bool = True
+    """draw and table the anchors' own runs (benchmarks/reference/) where one matches a run's game, mode and
+    algorithm: baselines PPO (train-procgen) and the official PPG code's PPO, PPG, single-network PPG and PPG-KL"""
+    on_track: bool = False
+    """only print, per game, our runs' return at their latest common step against the matching official runs'
+    range there (for runs in progress); no figures, no tables"""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,18 +261,254 @@ def evaluation_curve(run):
 
 def run_score(run, score):
     """The run's raw score for the aggregate (see --score), or None if it has none yet."""
+    return run_score_and_step(run, score)[0]
+
+
+def run_score_and_step(run, score):
+    """(the run's raw score, the environment step of the row it comes from), or (None, None)."""
     if score == "train":
         rows = [row for row in run.rows if "charts/episodic_return_last100" in row]
-        return rows[-1]["charts/episodic_return_last100"] if rows else None
+        return (rows[-1]["charts/episodic_return_last100"], rows[-1]["global_step"]) if rows else (None, None)
     rows = [row for row in run.rows if row.get("eval/episodic_return") is not None]
-    return rows[-1]["eval/episodic_return"] if rows else None
+    return (rows[-1]["eval/episodic_return"], rows[-1]["global_step"]) if rows else (None, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference runs: the anchors' committed curves (benchmarks/reference/, built by build_reference.py there)
+
+REFERENCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference")
+REFERENCE_FILES = {"phasic_policy_gradient": "phasic_policy_gradient.json.gz", "train_procgen": "train_procgen.json.gz"}
+OFFICIAL_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG", "ppgsingle": "official PPG single-network",
+                   "ppgkl": "official PPG-KL"}
+PPG_DEFAULTS = {"n_pi": (32, "n-pi"), "e_pi": (1, "e-pi"), "e_aux": (6, "e-aux")}  # flag: (default, ablation folder)
+
+
+@dataclass
+class Reference:
+    key: str  # "<file>/<experiment>", e.g. "phasic_policy_gradient/ppg"
+    label: str  # as tables and figures name it, e.g. "official PPG"
+    description: str
+    mode: str
+    num_levels: int
+    split: str  # "train" (the return on the training levels) or "test" (train-procgen's test worker)
+    curves: dict  # {game: [(steps, returns) of each seed]}
+
+
+_REFERENCES = {}
+
+
+def load_references(folder=REFERENCE_DIR):
+    """{key: Reference} from the .json.gz files in `folder` (read once); {} where they are missing."""
+    if folder in _REFERENCES:
+        return _REFERENCES[folder]
+    references = {}
+    for stem, name in REFERENCE_FILES.items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+        for experiment, meta in data["experiments"].items():
+            if stem == "phasic_policy_gradient":
+                flag, value = experiment.rsplit("-", 1) if "-" in experiment else (experiment, "")
+                symbol = {"e-pi": "E_pi", "e-aux": "E_aux", "n-pi": "N_pi"}.get(flag, flag)
+                label = OFFICIAL_LABELS.get(experiment, f"official PPG ({symbol} = {value})")
+            else:
+                label = f"official baselines PPO ({experiment})"
+            curves = {}
+            for seed in meta["seeds"]:
+                for game, curve in data["curves"][seed].items():
+                    returns = np.array([np.nan if value is None else value for value in curve["returns"]])
+                    kept = ~np.isnan(returns)
+                    curves.setdefault(game, []).append((np.array(curve["steps"], dtype=float)[kept], returns[kept]))
+            references[f"{stem}/{experiment}"] = Reference(f"{stem}/{experiment}", label, meta["description"],
+                                                           meta["mode"], meta["num_levels"], meta["split"], curves)
+    _REFERENCES[folder] = references
+    return references
+
+
+def match_references(args):
+    """(keys for the training return, keys for the evaluation return) of the reference experiments that ran what this
+    run runs, best match first; empty where none did. The match: the script (PPO or PPG, whatever --exp-name), the
+    distribution mode and number of training levels, and for PPG --arch, --policy-loss and N_pi / E_pi / E_aux:
+    - ppo_procgen.py, clipped loss: train-procgen's baselines PPO, easy-all / easy-200 / hard-all / hard-500 (with
+      --num-levels 200 or 500 the evaluation, on unseen levels, is matched with the test worker); in hard mode on all
+      levels also the PPG paper's PPO baseline, first when the run uses PPG's --init normed or --adv-norm batch;
+    - ppg_procgen.py, hard mode, all levels: --policy-loss kl-penalty -> ppgkl, --arch detach -> ppgsingle, else ppg;
+      with one of N_pi, E_pi, E_aux changed (and the rest at the defaults), the official one-seed ablation of it."""
+    script = os.path.basename(args.get("script") or f"{args.get('exp_name', '')}.py")
+    mode = args.get("distribution_mode")
+    levels = args.get("num_levels", 0)
+    clipped = args.get("policy_loss", "clip") == "clip"
+    if script == "ppo_procgen.py" and clipped and (mode, levels) in (("easy", 0), ("easy", 200), ("hard", 0),
+                                                                     ("hard", 500)):
+        stem = f"train_procgen/{mode}-{levels or 'all'}"
+        if levels:
+            return [f"{stem}-train"], [f"{stem}-test"]
+        if mode == "easy":
+            return [stem], [stem]
+        keys = [stem, "phasic_policy_gradient/ppo"]
+        if args.get("init") == "normed" or args.get("adv_norm") == "batch":  # the PPG paper's PPO baseline
+            keys.reverse()
+        return keys, keys
+    if script == "ppg_procgen.py" and mode == "hard" and levels == 0:
+        name = "ppgkl" if not clipped else "ppgsingle" if args.get("arch") == "detach" else "ppg"
+        changed = [(flag, args[flag]) for flag, (default, _) in PPG_DEFAULTS.items()
+                   if args.get(flag, default) != default]
+        if changed and (name != "ppg" or len(changed) > 1):
+            return [], []
+        if changed:
+            name = f"{PPG_DEFAULTS[changed[0][0]][1]}-{changed[0][1]}"
+        return [f"phasic_policy_gradient/{name}"], [f"phasic_policy_gradient/{name}"]
+    return [], []
+
+
+def run_references(runs, evaluation=False, references=None):
+    """The references every one of `runs` matches (an algorithm's seeds run the same flags), best match first."""
+    references = load_references() if references is None else references
+    matched = [match_references(run.args)[1 if evaluation else 0] for run in runs]
+    return [references[key] for key in matched[0] if key in references and all(key in keys for keys in matched)]
+
+
+def reference_at(reference, game, step):
+    """The reference seeds' returns at `step` (linear interpolation between logged rows), or None where a seed has not
+    logged both a row at or before and one at or after it."""
+    curves = reference.curves.get(game, [])
+    if not curves or any(not len(x) or step < x[0] or step > x[-1] for x, _ in curves):
+        return None
+    return np.array([np.interp(step, x, y) for x, y in curves])
+
+
+def format_step(step):
+    return f"{step / 1e6:.1f}M" if step >= 1e5 else f"{step / 1e3:.1f}k"
+
+
+def on_track_line(game, step, ours, label, theirs):
+    """`starpilot @ 12.0M: ours 14.2 +- 1.1 (3 seeds) vs official PPG 13.0 [11.5, 14.8] (within)`: our mean (and std
+    over seeds) against the reference seeds' mean and range at the same step, and where ours falls in that range."""
+    ours = np.asarray(ours, dtype=float)
+    spread = f" ± {ours.std(ddof=1):.1f}" if len(ours) > 1 else ""
+    low, high = theirs.min(), theirs.max()
+    where = "below" if ours.mean() < low else "above" if ours.mean() > high else "within"
+    return (f"{game} @ {format_step(step)}: ours {ours.mean():.1f}{spread} ({len(ours)} seed{'s' * (len(ours) > 1)}) "
+            f"vs {label} {theirs.mean():.1f} [{low:.1f}, {high:.1f}] ({where})")
+
+
+def last100_curve(run):
+    """(steps, mean return of the last 100 training episodes), the quantity both anchors log (EpRewMean, eprewmean)."""
+    rows = [row for row in run.rows if row.get("charts/episodic_return_last100") is not None]
+    return (np.array([row["global_step"] for row in rows], dtype=float),
+            np.array([row["charts/episodic_return_last100"] for row in rows], dtype=float))
+
+
+def on_track(groups):
+    """The on-track lines: per (mode, algorithm), one line per game with a matching reference, at the latest step every
+    seed has reached."""
+    lines = []
+    for (mode, game), algorithms in sorted(groups.items()):
+        for algorithm, runs in algorithms.items():
+            references = run_references(runs)
+            curves = [curve for curve in map(last100_curve, runs) if len(curve[0])]
+            if not references or not curves:
+                continue
+            step = min(x[-1] for x, _ in curves)
+            ours = [np.interp(step, x, y) for x, y in curves]
+            theirs = reference_at(references[0], game, step)
+            prefix = f"{algorithm} ({mode}) "
+            if theirs is None:
+                x = references[0].curves[game][0][0]
+                lines.append(f"{prefix}{game} @ {format_step(step)}: {references[0].label} logged from "
+                             f"{format_step(x[0])} to {format_step(x[-1])} only")
+            else:
+                lines.append(prefix + on_track_line(game, step, ours, references[0].label, theirs))
+    return lines
+
+
+def reference_comparison(algorithm, reference, mode, raw, reps, confidence, rng):
+    """Our scored runs against the reference at the same steps, per game where both exist: the reference seeds'
+    returns interpolated at the mean step of our runs' scores. Returns None if no game has both."""
+    ours = {}
+    theirs = {}
+    steps = {}
+    for game, scored in raw.items():
+        values = [(value, step) for _, value, step in scored if value is not None]
+        if not values or game not in PROCGEN_RANGES or mode not in PROCGEN_RANGES[game]:
+            continue
+        step = float(np.mean([step for _, step in values]))
+        at = reference_at(reference, game, step)
+        if at is not None:
+            ours[game] = np.array([value for value, _ in values])
+            theirs[game] = at
+            steps[game] = step
+    if not ours:
+        return None
+    games = sorted(ours)
+    scores = {algorithm: [normalized_score(game, mode, ours[game]) for game in games],
+              reference.label: [normalized_score(game, mode, theirs[game]) for game in games]}
+    metrics, improvement = aggregate_scores(scores, reps, confidence, rng)
+    return dict(reference=reference, games=games, steps=steps, raw=dict(ours=ours, theirs=theirs), metrics=metrics,
+                improvement=improvement[(algorithm, reference.label)])
+
+
+def reference_tables(algorithm, comparison, args, score_name):
+    """Markdown of one comparison: the two rows of estimators, P(ours > reference), and the per-game returns."""
+    reference = comparison["reference"]
+    label = reference.label
+    games = comparison["games"]
+    column = "EpRewMean" if reference.key.startswith("phasic") else "eprewmean"
+    lines = [f"### {algorithm} against {label}", "",
+             f"{label}: {reference.description} ({reference.mode} mode; {len(reference.curves[games[0]])} seeds; "
+             f"their `{column}`, the mean return of the last 100 episodes). Compared at the same environment step: "
+             f"per game, the reference seeds' returns at the mean step of our runs' scores ({score_name}; "
+             f"interpolated between their logged rows), on {len(games)} game{'s' * (len(games) > 1)}: "
+             f"{', '.join(games)}.", ""]
+    rows = []
+    for name in (algorithm, label):
+        runs = sum(len(values) for values in comparison["raw"]["ours" if name == algorithm else "theirs"].values())
+        rows.append([name, str(runs)] + [format_interval(*comparison["metrics"][name][metric])
+                                         for metric in ("IQM", "median", "mean")])
+    lines += markdown_table(["", "runs", "IQM", "median", "mean"], rows)
+    lines += [f"P({algorithm} > {label}) = {format_interval(*comparison['improvement'])} (Mann-Whitney per game, "
+              "averaged over games).", ""]
+    rows = []
+    for game in comparison["games"]:
+        cells = [game, format_step(comparison["steps"][game])]
+        for values in (comparison["raw"]["ours"][game], comparison["raw"]["theirs"][game]):
+            spread = f" +- {values.std(ddof=1):.2f}" if len(values) > 1 else ""
+            cells.append(f"{values.mean():.2f}{spread} ({len(values)})")
+        rows.append(cells)
+    return lines + markdown_table(["game", "step", algorithm, label], rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Figures
 
-def plot_game(path, game, mode, by_algorithm, colors, args):
+def plot_reference(axis, reference, game, color, until):
+    """The reference's seeds behind our runs, up to step `until`: their mean (dashed) and min-max range (faint)."""
+    curves = [(x[x <= until], y[x <= until]) for x, y in reference.curves.get(game, [])]
+    if not curves or not all(len(x) for x, _ in curves):
+        return False
+    steps = np.unique(np.concatenate([x for x, _ in curves]))
+    aligned = np.stack([np.interp(steps, x, y, left=np.nan, right=np.nan) for x, y in curves])
+    axis.plot(steps, np.nanmean(aligned, axis=0), color=color, linestyle="--", linewidth=1.2, zorder=1,
+              label=f"{reference.label} ({len(curves)} seed{'s' * (len(curves) > 1)}: mean, min-max)")
+    axis.fill_between(steps, np.nanmin(aligned, axis=0), np.nanmax(aligned, axis=0), color=color, alpha=0.1,
+                      linewidth=0, zorder=0)
+    return True
+
+
+def plot_game(path, game, mode, by_algorithm, colors, args, references=None):
+    """references: {algorithm: (references for the training panel, references for the evaluation panel)}."""
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    references = references or {}
+    drawn = set()
+    for algorithm, runs in by_algorithm.items():
+        last = max((row["global_step"] for run in runs for row in run.rows if "global_step" in row), default=0)
+        for axis, panel in zip(axes, references.get(algorithm, ([], []))):
+            for number, reference in enumerate(panel[:2]):  # the best match in the algorithm's colour, a second grey
+                if (id(axis), reference.key) not in drawn and last > 0:
+                    if plot_reference(axis, reference, game, colors[algorithm] if number == 0 else "gray", last):
+                        drawn.add((id(axis), reference.key))
     for algorithm, runs in by_algorithm.items():
         color = colors[algorithm]
         partial = sum(run.partial is not None for run in runs)
@@ -277,8 +530,12 @@ def plot_game(path, game, mode, by_algorithm, colors, args):
         axis.set_xlabel("environment steps")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("episodic return (raw game score)")
-    axes[0].legend()
-    figure.suptitle(f"{game} ({mode}): mean over seeds, {args.confidence:.0%} t-interval; x: a partial run's end")
+    axes[0].legend(fontsize=8)
+    if any(id(axes[1]) == axis for axis, _ in drawn):
+        axes[1].legend(fontsize=8)
+    official = "; dashed: the anchors' own runs (faint: their seeds' range)" if drawn else ""
+    figure.suptitle(f"{game} ({mode}): mean over seeds, {args.confidence:.0%} t-interval; x: a partial run's end"
+                    + official)
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
@@ -386,6 +643,25 @@ def mode_tables(mode, games, raw, metrics, improvement, args, score_name):
     return lines + markdown_table(["game"] + algorithms, rows)
 
 
+def reference_section(mode, games, groups, algorithms, found, args, score_name, rng):
+    """The comparisons of each algorithm with the references its runs match, into `found` (keyed by (algorithm,
+    reference key)) and as Markdown lines."""
+    lines = []
+    for algorithm in algorithms:
+        seeds = [run for game in games for run in groups[(mode, game)].get(algorithm, [])]
+        raw = {game: [(run, *run_score_and_step(run, args.score)) for run in groups[(mode, game)].get(algorithm, [])]
+               for game in games}
+        for reference in run_references(seeds, evaluation=args.score == "eval"):
+            comparison = reference_comparison(algorithm, reference, mode, raw, args.reps, args.confidence, rng)
+            if comparison is None:
+                continue
+            if not lines:
+                lines += [f"## {mode} mode: against the anchors' own runs", ""]
+            found[(algorithm, reference.key)] = comparison
+            lines += reference_tables(algorithm, comparison, args, score_name)
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -438,6 +714,12 @@ def main(argv=None):
                 print(f"warning: {algorithm}'s runs differ in --{flag.replace('_', '-')} ({values}); give each "
                       "setting its own --exp-name to keep them apart")
 
+    if args.on_track:
+        lines = on_track(groups)
+        print("\n".join(lines) if lines else "on track: no run matches a reference (game, mode and algorithm; see "
+                                              "match_references in benchmarks/results.py)")
+        return dict(runs=runs, groups=groups, on_track=lines)
+
     # 2. Learning curves: one figure per game and mode, each algorithm in the same colour everywhere.
     order = lambda algorithm: (ORDER.get(algorithm, len(ORDER)), algorithm)
     colors = {algorithm: f"C{index}" for index, algorithm in enumerate(sorted({run.algorithm for run in runs},
@@ -445,11 +727,14 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     for (mode, game), algorithms in sorted(groups.items()):
         by_algorithm = {algorithm: algorithms[algorithm] for algorithm in sorted(algorithms, key=order)}
-        plot_game(os.path.join(out, f"{game}_{mode}.png"), game, mode, by_algorithm, colors, args)
+        references = ({algorithm: (run_references(seeds), run_references(seeds, evaluation=True))
+                       for algorithm, seeds in by_algorithm.items()} if args.reference else {})
+        plot_game(os.path.join(out, f"{game}_{mode}.png"), game, mode, by_algorithm, colors, args, references)
 
     # 3. Aggregate normalized scores per mode, over the games on which every algorithm has a scored run.
     rng = np.random.default_rng(args.seed)
     aggregates = {}
+    comparisons = {}  # {mode: {(algorithm, reference key): comparison}}
     lines = []
     for mode in sorted({mode for mode, _ in groups}):
         games = sorted(game for game_mode, game in groups if game_mode == mode)
@@ -465,16 +750,23 @@ def main(argv=None):
         if not common or any(mode not in PROCGEN_RANGES[game] for game in common):
             lines += ["No aggregate: " + ("no published normalization ranges for this mode." if common else
                                           "no game on which every algorithm has a scored run."), ""]
+            if args.reference:
+                lines += reference_section(mode, games, groups, algorithms, comparisons.setdefault(mode, {}), args,
+                                           score_name, rng)
             continue
         scores = {algorithm: [np.array([normalized_score(game, mode, value) for _, value in raw[algorithm][game]
                                         if value is not None]) for game in common] for algorithm in algorithms}
         metrics, improvement = aggregate_scores(scores, args.reps, args.confidence, rng)
         aggregates[mode] = dict(games=common, metrics=metrics, improvement=improvement)
         lines += mode_tables(mode, common, raw, metrics, improvement, args, score_name)
+        if args.reference:
+            lines += reference_section(mode, games, groups, algorithms, comparisons.setdefault(mode, {}), args,
+                                       score_name, rng)
 
     # 4. Write the tables and the figure; print the same.
     command = (f"python benchmarks/results.py {args.runs} --score {args.score} --smooth {args.smooth} --reps "
-               f"{args.reps} --confidence {args.confidence} --seed {args.seed}")
+               f"{args.reps} --confidence {args.confidence} --seed {args.seed}"
+               + ("" if args.reference else " --no-reference"))
     partial_runs = [f"- `{run.path}`: {run.partial}" for run in runs if run.partial]
     with open(os.path.join(out, "aggregate.md"), "w") as f:
         f.write("\n".join([f"# Results from {len(runs)} runs", "", f"`{command}`", ""] + lines
@@ -484,7 +776,7 @@ def main(argv=None):
         plot_aggregate(os.path.join(out, "aggregate.png"), aggregates, colors, score_name, args.confidence)
     print("\n" + "\n".join(lines))
     print(f"wrote {out}/: " + ", ".join(sorted(os.listdir(out))))
-    return dict(runs=runs, groups=groups, aggregates=aggregates, out=out)
+    return dict(runs=runs, groups=groups, aggregates=aggregates, reference=comparisons, out=out)
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def test_procgen_suite_dry_run():
     assert commands[0] == "python ppo_procgen.py --env-id starpilot --seed 1 --distribution-mode easy " \
                           "--total-timesteps 25000000 --save-model"
     assert commands[1].startswith("python ppg_procgen.py --env-id starpilot --seed 1 ")
-    assert commands[-1] == "python benchmarks/results.py runs"
+    assert commands[-1] == "python benchmarks/results.py runs --reference"  # against the anchors' own runs
     every_game = suite(GAMES="all", SEEDS="1", SCRIPTS="ppo_procgen.py ppg_procgen.py vtrace.py").stdout.splitlines()
     assert len(every_game) == 16 * 3 + 1
     hard = suite(MODE="hard", GAMES="coinrun", SEEDS="1").stdout.splitlines()
@@ -278,7 +278,7 @@ def test_procgen_suite_queues_survive_a_failed_job_and_stop_on_ctrl_c(tmp_path):
     assert done.returncode == 1  # the seed-2 jobs failed; every other job ran, then results.py
     assert done.stdout.count("FAILED (exit 3)") == 4 and done.stdout.count("] job ") == 8
     assert {line.split(" on GPU ")[1][0] for line in done.stdout.splitlines() if " on GPU " in line} == {"0", "1"}
-    assert done.stdout.rstrip().endswith("benchmarks/results.py runs")
+    assert done.stdout.rstrip().endswith("benchmarks/results.py runs --reference")
     assert sorted(os.listdir(tmp_path / "logs"))[0] == "bigfish__ppg_procgen__1.log"
 
     # Ctrl-C reaches the running jobs (the process group, as from a terminal); no queue starts another job.
