@@ -61,9 +61,9 @@ def test_args_fields_in_common_are_identical_except_documented_defaults():
 
 
 def test_ppo_to_ppg_diff_stays_small():
-    """PPG's algorithm (about 150 lines) plus its own defaults with their reasons, its ETA, the per-rank share of
-    its auxiliary phase and its CPU note (about 75)."""
+    """PPG's algorithm and its own defaults with their reasons; its non-algorithmic needs (aux-buffer placement,
+    its ETA share, stopping at a phase boundary) go through the shared `Run` helpers (issue 16)."""
     result = subprocess.run(["diff", script("ppo_procgen.py"), script("ppg_procgen.py")], capture_output=True,
                             text=True)
     changed = [line for line in result.stdout.splitlines() if line[:1] in "<>"]
-    assert 0 < len(changed) <= 230, f"{len(changed)} changed lines"
+    assert 0 < len(changed) <= 200, f"{len(changed)} changed lines"
