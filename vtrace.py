@@ -1,28 +1,16 @@
-"""IMPALA with V-trace on Procgen (Espeholt et al. 2018, arXiv 1802.01561): an actor plays unrolls of T steps with a
-possibly stale copy of the policy; the learner corrects for the lag with V-trace (value targets and policy-gradient
-advantages from truncated importance weights pi/mu) and takes one gradient step per unroll of all games.
-IMPALA-CNN, reward normalization and Adam as in the Procgen PPO script (Cobbe et al. 2020, arXiv 1912.01588).
-
-Actor and learner overlap as in Cleanba (Huang et al. 2023, arXiv 2310.00036): one actor thread steps all --num-envs
-games as one batch, with its own copy of the network and, on a GPU, its own CUDA stream; the learner (the main thread)
-trains on the unrolls already played meanwhile. Update n trains on unroll n, so the lag of unroll n is n minus the
-version (updates so far) of the parameters it was played with. With --max-policy-lag k the actor starts unroll n only
-once version n - k exists: no unroll is older than k, none is dropped, k = 0 is synchronous. k = 1, learner slower:
-
-    actor    P0 (v0) | P1 (v0) | wait ....... | P2 (v1) | wait ....... | P3 (v2) ...
-    learner  wait .. | L0 on P0 ............. | L1 on P1 ............. | L2 on P2 ...   (each Ln publishes v(n+1))
-
-Parameters cross from the learner's stream to the actor's, and unrolls back, through events (`PolicySnapshots`,
-`wait_for`), never by blocking the host. --deterministic-lag: unroll n is always played with version n - k exactly.
+"""IMPALA with V-trace on Procgen (Espeholt et al. 2018, arXiv 1802.01561): an actor thread plays
+unrolls with a possibly stale copy of the policy; the learner corrects for that lag with V-trace
+(truncated importance weights pi/mu) and steps once per unroll, overlapping as Cleanba (2310.00036).
 
 Run:  python vtrace.py --env-id starpilot          (all flags: python vtrace.py --help)
-Read first: `diff ppo_procgen.py vtrace.py` (IMPALA and nothing else), then `train` (actor and learner),
-`collect_unroll` (which reward goes with which frame) and `from_importance_weights` (V-trace itself).
-"""
+Read top to bottom: the environment, the network, V-trace, the learner, the actor, then `train`, the
+story; the appendix below `train` is plumbing (evaluation, torchrun, logging, checkpoints, signals,
+flag checks, the hand-over of parameters between threads and CUDA streams)."""
 import collections
 import contextlib
 import copy
 import datetime
+import functools
 import io
 import json
 import math
@@ -41,9 +29,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so imported
-# later (torch.optim imports it on first use) it would keep the group and gloo's threads alive past
-# destroy_process_group, and such a thread can abort the process as it exits.
+# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so
+# imported later (torch.optim imports it on first use) it would keep the group and gloo's threads
+# alive past destroy_process_group, and such a thread can abort the process as it exits.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,18 +42,60 @@ from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisode
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run name)"""
-    seed: int = 1
-    """seed of python, numpy, torch, procgen's levels and the actor's sampling; with --deterministic-lag the same seed
-    gives the same run on CPU (otherwise the timing of actor and learner decides the lag of each unroll)"""
-    torch_deterministic: bool = True
-    """make cuDNN pick deterministic algorithms"""
-    cuda: bool = True
-    """use the GPU when one is available"""
-    total_timesteps: int = 25_000_000
-    """environment steps of the whole run (rounded down to whole iterations of updates_per_iteration unrolls)"""
+    # Algorithm: V-trace and the actor-learner lag. Adam on mean losses, lr, gamma, clip and reward
+    # normalization are the PPO script's Procgen settings; IMPALA's Atari ones (RMSProp, lr 6e-4 on
+    # summed losses, gamma 0.99, clip 40) are in its paper, Table G.1.
+    rho_bar: float = 1.0
+    """rho-bar: truncation of the importance weights in V-trace's TD terms; sets the fixed point
+    (IMPALA paper: 1)"""
+    c_bar: float = 1.0
+    """c-bar: truncation of the traces c_s; changes only the contraction speed (IMPALA paper: 1)"""
+    pg_rho_bar: float = 1.0
+    """truncation of the policy gradient's importance weight (scalable_agent and torchbeast: 1)"""
+    vtrace_lambda: float = 1.0
+    """lambda of the IMPALA paper's Remark 2, multiplied into the traces c_s (scalable_agent and
+    torchbeast: none, 1)"""
+    correction: Literal["vtrace", "none"] = "vtrace"
+    """off-policy correction: V-trace, or none (importance weights fixed to 1: the unrolls are
+    learned from as if on-policy, the baseline V-trace improves on; IMPALA paper Table 2)"""
+    unroll_length: int = 20
+    """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
+    updates_per_iteration: int = 25
+    """learner updates per iteration, the unit of logging, evaluation and checkpoints
+    (25 x 32 x 20 = 16,000 steps)"""
+    max_policy_lag: int = 1
+    """k: the actor waits before an unroll whose parameters would be more than k updates old when
+    trained; 0 is synchronous, 1 lets acting and learning overlap with a lag of at most one update
+    (Cleanba's IMPALA)"""
+    deterministic_lag: bool = False
+    """play unroll n with the parameters of exactly k = max_policy_lag updates before (version 0 for
+    the first k), not the newest available: the same seed gives the same run on CPU, at any speed of
+    actor and learner"""
+    baseline_cost: float = 0.5
+    """weight of the value (baseline) loss (IMPALA paper Table G.1 and torchbeast: 0.5)"""
+    entropy_cost: float = 0.01
+    """weight of the entropy bonus (IMPALA paper Table G.1: 0.01, as CleanRL's Procgen PPO)"""
+    learning_rate: float = 5e-4
+    """Adam learning rate"""
+    anneal_lr: bool = False
+    """decay the learning rate linearly to 0 over the run"""
+    gamma: float = 0.999
+    """discount factor; also the discount of the reward normalizer's running return"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (baselines PPO uses 1e-5)"""
+    reward_norm_gamma: float = 0.999
+    """discount of the running return whose std divides the rewards (as the Procgen PPO script: the
+    agent's gamma)"""
+    reward_clip: float = 10.0
+    """clip normalized rewards to [-reward_clip, reward_clip]"""
+    channels: tuple[int, ...] = (16, 32, 32)
+    """IMPALA-CNN channels, one conv sequence per entry"""
+    hidden_size: int = 256
+    """width of the dense layer after the convolutions"""
+    init: Literal["default", "normed"] = "default"
+    """weight init: PyTorch default + orthogonal heads (CleanRL PPO) or the PPG code's per-unit normed init"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""
@@ -76,58 +106,22 @@ class Args:
     start_level: int = 0
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
     num_envs: int = 32
-    """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of all games is one
-    learner batch (one update per actor unroll keeps the lag exact), so 32 games = IMPALA's batch of 32 unrolls (Table
-    G.1); the Procgen PPO script steps 64 games"""
-    env_threads: int = 0
-    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_budget`)"""
-    # Algorithm. Adam on mean losses, lr, gamma, clip and reward normalization are the PPO script's Procgen settings;
-    # IMPALA's Atari ones (RMSProp, lr 6e-4 on summed losses, gamma 0.99, clip 40) are in its paper, Table G.1.
-    unroll_length: int = 20
-    """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
-    updates_per_iteration: int = 25
-    """learner updates per iteration, the unit of logging, evaluation and checkpoints (25 x 32 x 20 = 16,000 steps)"""
-    max_policy_lag: int = 1
-    """k: the actor waits before an unroll whose parameters would be more than k updates old when trained; 0 is
-    synchronous, 1 lets acting and learning overlap with a lag of at most one update (Cleanba's IMPALA)"""
-    deterministic_lag: bool = False
-    """play unroll n with the parameters of exactly k = max_policy_lag updates before (version 0 for the first k), not
-    the newest available: the same seed gives the same run on CPU, at any speed of actor and learner"""
-    correction: Literal["vtrace", "none"] = "vtrace"
-    """off-policy correction: V-trace, or none (importance weights fixed to 1: the unrolls are learned from as if
-    on-policy, the baseline V-trace improves on; IMPALA paper Table 2)"""
-    learning_rate: float = 5e-4
-    """Adam learning rate"""
-    anneal_lr: bool = False
-    """decay the learning rate linearly to 0 over the run"""
-    gamma: float = 0.999
-    """discount factor; also the discount of the reward normalizer's running return"""
-    rho_bar: float = 1.0
-    """rho-bar: truncation of the importance weights in V-trace's TD terms; sets the fixed point (IMPALA paper: 1)"""
-    c_bar: float = 1.0
-    """c-bar: truncation of the trace coefficients c_s; changes only the contraction speed (IMPALA paper: 1)"""
-    pg_rho_bar: float = 1.0
-    """truncation of the importance weight of the policy gradient (scalable_agent and torchbeast default: 1)"""
-    vtrace_lambda: float = 1.0
-    """lambda of the IMPALA paper's Remark 2, multiplied into the traces c_s (scalable_agent and torchbeast: none, 1)"""
-    baseline_cost: float = 0.5
-    """weight of the value (baseline) loss (IMPALA paper Table G.1 and torchbeast: 0.5)"""
-    entropy_cost: float = 0.01
-    """weight of the entropy bonus (IMPALA paper Table G.1: 0.01, as CleanRL's Procgen PPO)"""
-    max_grad_norm: float = 0.5
-    """global gradient-norm clip"""
-    adam_eps: float = 1e-5
-    """Adam epsilon (baselines PPO uses 1e-5)"""
-    reward_norm_gamma: float = 0.999
-    """discount of the running return whose std divides the rewards (as the Procgen PPO script: the agent's gamma)"""
-    reward_clip: float = 10.0
-    """clip normalized rewards to [-reward_clip, reward_clip]"""
-    channels: tuple[int, ...] = (16, 32, 32)
-    """IMPALA-CNN channels, one conv sequence per entry"""
-    hidden_size: int = 256
-    """width of the dense layer after the convolutions"""
-    init: Literal["default", "normed"] = "default"
-    """weight init: PyTorch default + orthogonal heads (CleanRL PPO) or the PPG code's per-unit normed init"""
+    """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of
+    all games is one learner batch (one update per actor unroll keeps the lag exact), so 32 games =
+    IMPALA's batch of 32 unrolls (Table G.1); the Procgen PPO script steps 64 games"""
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, numpy, torch, procgen's levels and the actor's sampling; with
+    --deterministic-lag the same seed gives the same run on CPU (otherwise the timing of actor and
+    learner decides the lag of each unroll)"""
+    torch_deterministic: bool = True
+    """make cuDNN pick deterministic algorithms"""
+    cuda: bool = True
+    """use the GPU when one is available"""
+    total_timesteps: int = 25_000_000
+    """environment steps of the whole run (rounded down to whole iterations of updates_per_iteration unrolls)"""
     # Evaluation, logging, checkpoints
     eval_every: int = 100
     """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
@@ -154,90 +148,22 @@ class Args:
     checkpoint: Optional[str] = None
     """checkpoint to evaluate with --eval-only"""
     # Speed
+    env_threads: int = 0
+    """procgen worker threads; 0 picks a value from the machine's cores (see `actor_learner_threads`)"""
     torch_threads: int = 0
-    """torch CPU threads; 0 picks a value from the machine's cores (see `thread_budget`)"""
+    """torch CPU threads; 0 picks a value from the machine's cores (see `actor_learner_threads`)"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions' inputs and weights (faster on GPUs and on CPUs)"""
     compile: bool = False
     """torch.compile the learner's network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes, on CUDA or the CPU (the losses stay float32). Off, as in the papers:
-    CleanRL's PPG notes find mixed precision unstable in the policy phase; PPO 1.6-1.8x faster on a 2-core CPU with
-    AVX512-BF16 (README, Speed)"""
-
-
-# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or logging only.
-RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
-                 "wandb_project", "wandb_entity", "wandb_mode")
-
-# (R_min, R_max) per game for the normalized score, easy and hard: train-procgen's constants.py.
-PROCGEN_RANGES = {
-    "bigfish": {"easy": (1, 40), "hard": (0, 40)}, "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
-    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)}, "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
-    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)}, "coinrun": {"easy": (5, 10), "hard": (5, 10)},
-    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)}, "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
-    "heist": {"easy": (3.5, 10), "hard": (2, 10)}, "jumper": {"easy": (1, 10), "hard": (1, 10)},
-    "leaper": {"easy": (1.5, 10), "hard": (1.5, 10)}, "maze": {"easy": (5, 10), "hard": (4, 10)},
-    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)}, "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
-    "plunder": {"easy": (4.5, 30), "hard": (3, 30)}, "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
-}
-
-
-def normalized_score(env_id, distribution_mode, episodic_return):
-    """(R - R_min) / (R_max - R_min); None for modes without published ranges."""
-    if distribution_mode not in PROCGEN_RANGES[env_id]:
-        return None
-    low, high = PROCGEN_RANGES[env_id][distribution_mode]
-    return (episodic_return - low) / (high - low)
-
-
-class ProcgenVecEnv(gym.vector.VectorEnv):
-    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers work on it.
-
-    Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that episode's last reward
-    and the *first* frame of the next episode (gym3's `first` flag). Procgen has no time-limit signal, so
-    truncated is always False: time-outs count as terminations. `reset(seed=s)` builds fresh games whose levels
-    and dynamics are fully determined by s (procgen's `rand_seed`).
-    """
-
-    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
-
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
-        if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
-            raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
-            from procgen import ProcgenGym3Env
-        self._make = lambda seed: ProcgenGym3Env(
-            num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
-            start_level=start_level, rand_seed=seed, num_threads=num_threads)
-        self.num_envs = num_envs
-        self.env = None  # made at reset, seeded then
-        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
-        self.single_action_space = gym.spaces.Discrete(15)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
-        if self.env is not None:
-            self.env.close()
-        self.env = self._make(int(self.np_random.integers(2**31 - 1)) if seed is None else seed)
-        _, obs, _ = self.env.observe()
-        return obs["rgb"], {}
-
-    def step(self, actions):
-        self.env.act(np.asarray(actions, dtype=np.int32))
-        reward, obs, first = self.env.observe()
-        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
-
-    def close_extras(self, **kwargs):
-        if self.env is not None:
-            self.env.close()
+    """bfloat16 autocast of the forward passes on CUDA or CPU (losses stay float32); off, as in the papers"""
 
 
 def make_env(args, num_envs):
-    """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by the std of a
-    running discounted return (discount --reward-norm-gamma) and clipped, as in the Procgen baselines."""
+    """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
+    the std of a running discounted return (discount --reward-norm-gamma) and clipped, as in the
+    Procgen baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
@@ -267,14 +193,15 @@ class ResidualBlock(nn.Module):
 
 
 class ImpalaCNN(nn.Module):
-    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a stride-2 max-pool
-    and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as the env returns them."""
+    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a
+    stride-2 max-pool and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as
+    the env returns them."""
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
         self.channels_last = channels_last
-        # The PPG code's normed scale for residual convs: each of the len(channels) stacks adds 1/len(channels) of the
-        # variance, split over its 2 blocks; a block's two convs share that: sqrt(1/sqrt(stacks)/sqrt(2)) per conv.
+        # The PPG code's normed residual scale: the stacks share the variance, each over 2 blocks
+        # of two convs: sqrt(1/sqrt(len(channels))/sqrt(2)) per conv.
         residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
         layers = []
         in_channels = 3
@@ -324,16 +251,10 @@ class Agent(nn.Module):
 
 def sample_action(logits, generator=None):
     """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation. A thread that must not share torch's global RNG passes its own
-    `generator` (on the logits' device)."""
+    torch.distributions' argument validation. A thread that must not share torch's global RNG passes
+    its own `generator` (on the logits' device)."""
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
-
-
-def log_prob_entropy(logits, actions):
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
 
 
 # ---- V-trace (IMPALA paper, Section 4.1 and Remark 1) ----
@@ -351,27 +272,12 @@ class VTraceFromLogitsReturns(NamedTuple):
 
 
 def action_log_probs(policy_logits: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-    """log softmax(policy_logits)[actions]: [T, B, A], [T, B] -> [T, B]. log_softmax, not log(softmax), so tiny
-    probabilities do not underflow to log(0)."""
+    """log softmax(policy_logits)[actions]: [T, B, A], [T, B] -> [T, B]. log_softmax, not
+    log(softmax), so tiny probabilities do not underflow to log(0)."""
     if policy_logits.shape[:-1] != actions.shape:
         raise ValueError(f"actions: expected shape policy_logits.shape[:-1] = {tuple(policy_logits.shape[:-1])} "
                          f"([T, B] for logits [T, B, A]), got {tuple(actions.shape)}")
     return F.log_softmax(policy_logits, dim=-1).gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-
-
-def _check_time_major(values, bootstrap_value, **others):
-    # Only shapes are inspected (never tensor contents), so validation costs no device->host sync.
-    if values.dim() < 2 or values.shape[0] < 1:
-        raise ValueError(f"values: expected shape [T, B, ...] with rank >= 2 and T >= 1, got {tuple(values.shape)}")
-    if tuple(bootstrap_value.shape) != tuple(values.shape[1:]):
-        raise ValueError(f"bootstrap_value: expected shape values.shape[1:] = {tuple(values.shape[1:])} "
-                         f"(V(x_T) for each [B, ...] entry), got {tuple(bootstrap_value.shape)}")
-    for name, x in others.items():
-        ok = x.dim() == values.dim() and x.shape[:2] == values.shape[:2] and all(
-            d in (1, v) for d, v in zip(x.shape[2:], values.shape[2:]))
-        if not ok:
-            raise ValueError(f"{name}: expected shape [T, B, ...] = {tuple(values.shape)} (same rank as values, "
-                             f"trailing dims may be 1 to broadcast), got {tuple(x.shape)}")
 
 
 @torch.no_grad()
@@ -379,79 +285,81 @@ def from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_valu
                             clip_rho_threshold: Optional[float] = 1.0, clip_c_threshold: Optional[float] = 1.0,
                             clip_pg_rho_threshold: Optional[float] = 1.0,
                             lambda_: Union[float, torch.Tensor] = 1.0) -> VTraceReturns:
-    """V-trace targets and policy-gradient advantages from log importance weights log(pi(a_s|x_s) / mu(a_s|x_s)).
+    """V-trace targets and policy-gradient advantages from log importance weights
+    log(pi(a_s|x_s) / mu(a_s|x_s)).
 
-    Time-major: log_rhos, discounts (gamma_s = gamma * (1 - done_s)), rewards, values are [T, B, ...] with the
-    rank of values (trailing dims may be 1 and broadcast); bootstrap_value is V(x_T), shape values.shape[1:].
-    Thresholds: rho_bar (clip_rho_threshold) clips the TD weight and sets the fixed point, c_bar (clip_c_threshold)
-    clips the trace and only sets the contraction speed (the paper's analysis assumes rho_bar >= c_bar), and
-    clip_pg_rho_threshold clips the policy-gradient weight; None disables a clip. lambda_ is a float, a 0-dim tensor
-    or a per-step [T, B, ...] tensor (Remark 2). Outputs are constants: no gradient flows through them.
+    Time-major: log_rhos, discounts (gamma_s = gamma * (1 - done_s)), rewards, values are
+    [T, B, ...] with the rank of values (trailing dims may be 1 and broadcast); bootstrap_value is
+    V(x_T), shape values.shape[1:]. Thresholds: rho_bar (clip_rho_threshold) clips the TD weight and
+    sets the fixed point, c_bar (clip_c_threshold) clips the trace and only sets the contraction
+    speed (the paper's analysis assumes rho_bar >= c_bar), and clip_pg_rho_threshold clips the
+    policy-gradient weight; None disables a clip. lambda_ is a float, a 0-dim tensor or a per-step
+    [T, B, ...] tensor (Remark 2). Outputs are constants: no gradient flows through them.
 
-    lambda convention (SEED RL): lambda multiplies only the trace, c_s = lambda * min(c_bar, rho_s), and the
-    pg target keeps v_{s+1}. Consequences: on-policy, vs - V equals GAE(gamma, lambda), but pg_advantages equals
-    GAE only at lambda = 1 (rlax instead uses lambda * v_{s+1} + (1 - lambda) * V(x_{s+1}) in the pg target), and
-    a per-step lambda_s = 0 cuts the trace of vs but not the pg target. To truncate an episode at step s,
-    fold the time-out bootstrap into the reward, r_s += gamma * V(final obs), and set discounts[s] = 0.
+    lambda convention (SEED RL): lambda multiplies only the trace, c_s = lambda * min(c_bar, rho_s),
+    and the pg target keeps v_{s+1}. Consequences: on-policy, vs - V equals GAE(gamma, lambda), but
+    pg_advantages equals GAE only at lambda = 1 (rlax instead uses lambda * v_{s+1} + (1 - lambda) *
+    V(x_{s+1}) in the pg target), and a per-step lambda_s = 0 cuts the trace of vs but not the pg
+    target. To truncate an episode at step s, fold the time-out bootstrap into the reward,
+    r_s += gamma * V(final obs), and set discounts[s] = 0.
     """
-    others = dict(log_rhos=log_rhos, discounts=discounts, rewards=rewards)
-    if torch.is_tensor(lambda_) and lambda_.dim() > 0:
-        others["lambda_"] = lambda_
-    elif not torch.is_tensor(lambda_) and not 0.0 <= lambda_ <= 1.0:  # a 0-dim tensor is not read: that would sync
-        raise ValueError(f"lambda_: expected a float in [0, 1], a 0-dim tensor or a [T, B, ...] tensor, got {lambda_}")
-    _check_time_major(values, bootstrap_value, **others)
+    check_vtrace_inputs(log_rhos, discounts, rewards, values, bootstrap_value, lambda_)
 
     def clip(x, threshold):  # min(threshold, x); None means no truncation
         return x if threshold is None else torch.clamp(x, max=threshold)
 
     rhos = torch.exp(log_rhos)
-    clipped_rhos = clip(rhos, clip_rho_threshold)  # rho_bar_s = min(rho_bar, rho_s), weights the TD error
-    cs = lambda_ * clip(rhos, clip_c_threshold)  # c_s = lambda * min(c_bar, rho_s), the trace coefficients
-    values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)  # V(x_{s+1}), V(x_T) := bootstrap
+    clipped_rhos = clip(rhos, clip_rho_threshold)  # rho_bar_s = min(rho_bar, rho_s): the TD weight
+    cs = lambda_ * clip(rhos, clip_c_threshold)  # c_s = lambda * min(c_bar, rho_s): the traces
+    values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)  # V(x_{s+1})
     # delta_s V = rho_bar_s * (r_s + gamma_s V(x_{s+1}) - V(x_s))  (Eq. 1)
     deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
     trace_decay = (discounts * cs).expand_as(deltas)
-    # Remark 1: v_s - V(x_s) = delta_s V + gamma_s c_s (v_{s+1} - V(x_{s+1})), accumulated backwards from 0 after
-    # step T-1. O(T) instead of the O(T^2) double sum of Eq. 1; a Python loop is fine since T is small.
-    acc = torch.zeros_like(deltas[0])
+    # Remark 1: v_s - V(x_s) = delta_s V + gamma_s c_s (v_{s+1} - V(x_{s+1})), accumulated backwards
+    # from 0 after step T-1: O(T) instead of Eq. 1's O(T^2) double sum (a Python loop: T is small).
+    running = torch.zeros_like(deltas[0])
     vs_minus_v = []
     for s in reversed(range(deltas.shape[0])):
-        acc = deltas[s] + trace_decay[s] * acc
-        vs_minus_v.append(acc)
+        running = deltas[s] + trace_decay[s] * running
+        vs_minus_v.append(running)
     vs = values + torch.stack(vs_minus_v[::-1], dim=0)
-    # Section 4.2: the pg target is r_s + gamma_s v_{s+1} (the V-trace target of the next state, v_T := bootstrap),
-    # an estimate of Q^{pi_rho_bar}(x_s, a_s) (App. A.3); Appendix E.3 finds V(x_{s+1}) here works worse.
+    # Section 4.2: the pg target is r_s + gamma_s v_{s+1} (the next state's V-trace target, v_T :=
+    # bootstrap), an estimate of Q^{pi_rho_bar}(x_s, a_s) (App. A.3); with V(x_{s+1}) instead it
+    # works worse (Appendix E.3).
     vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
     pg_advantages = clip(rhos, clip_pg_rho_threshold) * (rewards + discounts * vs_t_plus_1 - values)
     return VTraceReturns(vs=vs.detach(), pg_advantages=pg_advantages.detach())
 
 
 @torch.no_grad()
-def from_logits(behaviour_policy_logits, target_policy_logits, actions, discounts, rewards, values, bootstrap_value,
-                clip_rho_threshold: Optional[float] = 1.0, clip_c_threshold: Optional[float] = 1.0,
-                clip_pg_rho_threshold: Optional[float] = 1.0,
+def from_logits(behaviour_policy_logits, target_policy_logits, actions, discounts, rewards, values,
+                bootstrap_value, clip_rho_threshold: Optional[float] = 1.0,
+                clip_c_threshold: Optional[float] = 1.0, clip_pg_rho_threshold: Optional[float] = 1.0,
                 lambda_: Union[float, torch.Tensor] = 1.0) -> VTraceFromLogitsReturns:
-    """V-trace from behaviour (mu) and target (pi) logits [T, B, A] and the actions [T, B] taken by mu; the other
-    arguments are as in from_importance_weights. All outputs are constants: recompute log pi(a) with gradient for
-    the loss (vtrace_loss does)."""
-    if behaviour_policy_logits.shape != target_policy_logits.shape or target_policy_logits.dim() != 3:
-        raise ValueError(f"behaviour_policy_logits, target_policy_logits: expected the same shape [T, B, A], got "
-                         f"{tuple(behaviour_policy_logits.shape)} and {tuple(target_policy_logits.shape)}")
+    """V-trace from behaviour (mu) and target (pi) logits [T, B, A] and the actions [T, B] taken by
+    mu; the other arguments are as in from_importance_weights. All outputs are constants: recompute
+    log pi(a) with gradient for the loss (vtrace_loss does)."""
+    behaviour_shape, target_shape = behaviour_policy_logits.shape, target_policy_logits.shape
+    if behaviour_shape != target_shape or len(target_shape) != 3:
+        raise ValueError(f"behaviour_policy_logits, target_policy_logits: expected the same shape "
+                         f"[T, B, A], got {tuple(behaviour_shape)} and {tuple(target_shape)}")
     behaviour_log_probs = action_log_probs(behaviour_policy_logits, actions)
     target_log_probs = action_log_probs(target_policy_logits, actions)
-    log_rhos = target_log_probs - behaviour_log_probs  # log pi/mu in log space: no overflow from exp then divide
+    log_rhos = target_log_probs - behaviour_log_probs  # log(pi/mu): no overflow from exp, divide
     vtrace_returns = from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value,
-                                             clip_rho_threshold, clip_c_threshold, clip_pg_rho_threshold, lambda_)
+                                             clip_rho_threshold, clip_c_threshold, clip_pg_rho_threshold,
+                                             lambda_)
     return VTraceFromLogitsReturns(*vtrace_returns, log_rhos, behaviour_log_probs, target_log_probs)
 
 
-def vtrace_loss(target_logits, values, actions, vs, pg_advantages, baseline_cost: float, entropy_cost: float,
-                reduction: str = "sum"):
-    """IMPALA learner loss -sum log pi(a_s|x_s) A_s + b * 0.5 * sum (v_s - V(x_s))^2 - e * sum H(pi(.|x_s)).
+def vtrace_loss(target_logits, values, actions, vs, pg_advantages, baseline_cost: float,
+                entropy_cost: float, reduction: str = "sum"):
+    """IMPALA's learner loss
+        -sum log pi(a_s|x_s) A_s + b * 0.5 * sum (v_s - V(x_s))^2 - e * sum H(pi(.|x_s)).
     vs and pg_advantages are targets (detached), so values get gradient only from the baseline term.
-    reduction "sum" over T and B as in the paper (Table D.1; the lr 6e-4 assumes it) or "mean" (T*B times smaller).
-    Returns (total, pg_loss, baseline_loss, entropy); baseline_loss includes baseline_cost, entropy is the bare
-    entropy (the total subtracts entropy_cost * entropy)."""
+    reduction "sum" over T and B as in the paper (Table D.1; the lr 6e-4 assumes it) or "mean" (T*B
+    times smaller). Returns (total, pg_loss, baseline_loss, entropy); baseline_loss includes
+    baseline_cost, entropy is the bare entropy (the total subtracts entropy_cost * entropy)."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
     reduce = torch.sum if reduction == "sum" else torch.mean
@@ -462,16 +370,21 @@ def vtrace_loss(target_logits, values, actions, vs, pg_advantages, baseline_cost
     return pg_loss + baseline_loss - entropy_cost * entropy, pg_loss, baseline_loss, entropy
 
 
+# ---- The actor's unroll and the learner's step ----
 @torch.no_grad()
-def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcontext, generator=None):
-    """IMPALA's actor: T = unroll_length steps of the behaviour policy mu in a vector env, from frames `obs` [B, ...].
-    Returns time-major tensors, aligned as V-trace reads them (the learner pairs index t of every field):
-      obs[t], t < T          x_t, the frame mu acted on; obs[T] = x_T, the frame after the last action, for V(x_T)
-      actions[t]             a_t ~ mu(.|x_t), and behaviour_logits[t] the logits of mu(.|x_t)
-      rewards[t], dones[t]   what step(a_t) returned: the reward credited to (x_t, a_t), and whether that step ended
-                             the episode (x_{t+1} is then the next episode's first frame, so gamma_t = 0 cuts there)
-    plus the raw returns and lengths of the episodes that ended during the unroll. Actions are sampled with
-    `generator` (the actor's own, so that nothing on the learner's thread moves its random stream)."""
+def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcontext,
+                   generator=None):
+    """IMPALA's actor: T = unroll_length steps of the behaviour policy mu in a vector env, from
+    frames `obs` [B, ...]. Returns time-major tensors, aligned as V-trace reads them (the learner
+    pairs index t of every field):
+      obs[t], t < T         x_t, the frame mu acted on; obs[T] = x_T, the frame after the last
+                            action, for V(x_T)
+      actions[t]            a_t ~ mu(.|x_t), and behaviour_logits[t] the logits of mu(.|x_t)
+      rewards[t], dones[t]  what step(a_t) returned: the reward credited to (x_t, a_t), and whether
+                            that step ended the episode (x_{t+1} is then the next episode's first
+                            frame, so gamma_t = 0 cuts there)
+    plus the raw returns and lengths of the episodes that ended during the unroll. Actions are
+    sampled with `generator` (the actor's own: nothing on the learner's thread moves its stream)."""
     steps = collections.defaultdict(list)
     episode_returns = []
     episode_lengths = []
@@ -479,36 +392,33 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
         with autocast():
             logits = policy(obs)[0].float()
         action = sample_action(logits, generator)
-        frames, reward, terminated, truncated, info = envs.step(action.cpu().numpy())  # waits for this stream only
-        for key, value in (("obs", obs), ("actions", action), ("behaviour_logits", logits),
-                           ("rewards", torch.as_tensor(reward, dtype=torch.float32, device=obs.device)),
-                           ("dones", torch.as_tensor(terminated | truncated, dtype=torch.float32, device=obs.device))):
+        # .cpu() waits for this thread's stream only
+        frames, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+        rewards = torch.as_tensor(reward, dtype=torch.float32, device=obs.device)
+        dones = torch.as_tensor(terminated | truncated, dtype=torch.float32, device=obs.device)
+        step = {"obs": obs, "actions": action, "behaviour_logits": logits, "rewards": rewards, "dones": dones}
+        for key, value in step.items():
             steps[key].append(value)
         obs = torch.as_tensor(frames, device=obs.device)
         if "_episode" in info:  # every episode that ended in this step
             episode_returns += info["episode"]["r"][info["_episode"]].tolist()
             episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
     steps["obs"].append(obs)
-    return dict({key: torch.stack(values) for key, values in steps.items()}, episode_returns=episode_returns,
-                episode_lengths=episode_lengths)
+    unroll = {key: torch.stack(values) for key, values in steps.items()}
+    return dict(unroll, episode_returns=episode_returns, episode_lengths=episode_lengths)
 
 
 UNROLL_TENSORS = ("obs", "actions", "behaviour_logits", "rewards", "dones")
 
 
-def clip_grad_norms(optimizer, max_grad_norm):
-    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one group; PPG: one per
-    network, so that the value network's gradient cannot shrink the policy's step). Returns the norms before."""
-    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
-
-
 def vtrace_backward(policy, optimizer, batch, args, autocast):
-    """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them ([T+1, B] frames,
-    [T, B] the rest); the caller steps the optimizer. pi's logits and values are recomputed on every frame, x_T
-    included: the bootstrap V(x_T) comes from the learner, not from the actor.
-    Losses are means over T x B, not the paper's sums: Adam divides the gradient's scale away, so the choice matters
-    only for the gradient-norm clip and Adam's epsilon, whose PPO values assume mean-sized gradients (a sum is
-    T x B = 640 times larger and would be clipped at every step). Returns the update's statistics as tensors."""
+    """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them
+    ([T+1, B] frames, [T, B] the rest); the caller steps the optimizer. pi's logits and values are
+    recomputed on every frame, x_T included: the bootstrap V(x_T) comes from the learner, not from
+    the actor. Losses are means over T x B, not the paper's sums: Adam divides the gradient's scale
+    away, so the choice matters only for the gradient-norm clip and Adam's epsilon, whose PPO values
+    assume mean-sized gradients (a sum is T x B = 640 times larger and would be clipped at every
+    step). Returns the update's statistics as tensors."""
     T, B = batch["actions"].shape
     with autocast():
         logits, values = policy(batch["obs"].flatten(0, 1))
@@ -517,158 +427,551 @@ def vtrace_backward(policy, optimizer, batch, args, autocast):
     # log rho_s = log pi(a_s|x_s) - log mu(a_s|x_s), in log space (no overflow from exp then divide)
     log_rhos = (action_log_probs(logits[:-1].detach(), batch["actions"])
                 - action_log_probs(batch["behaviour_logits"], batch["actions"]))
-    # --correction none: every importance weight fixed to 1, the unrolls taken as on-policy (IMPALA paper Table 2)
+    # --correction none: every importance weight 1, the unrolls taken as on-policy (IMPALA Table 2)
     used_log_rhos = log_rhos if args.correction == "vtrace" else torch.zeros_like(log_rhos)
-    # gamma_s = gamma * (1 - done_s): the step that ended an episode does not look past it (Procgen has no time-outs)
-    vtrace_returns = from_importance_weights(used_log_rhos, args.gamma * (1 - batch["dones"]), batch["rewards"],
-                                             values[:-1], values[-1], args.rho_bar, args.c_bar, args.pg_rho_bar,
+    # gamma_s = gamma * (1 - done_s): the step that ended an episode does not look past it
+    # (Procgen has no time-outs)
+    discounts = args.gamma * (1 - batch["dones"])
+    vtrace_returns = from_importance_weights(used_log_rhos, discounts, batch["rewards"], values[:-1],
+                                             values[-1], args.rho_bar, args.c_bar, args.pg_rho_bar,
                                              args.vtrace_lambda)
-    loss, pg_loss, value_loss, entropy = vtrace_loss(logits[:-1], values[:-1], batch["actions"], vtrace_returns.vs,
-                                                     vtrace_returns.pg_advantages, args.baseline_cost,
-                                                     args.entropy_cost, reduction="mean")
+    vs = vtrace_returns.vs
+    loss, pg_loss, value_loss, entropy = vtrace_loss(
+        logits[:-1], values[:-1], batch["actions"], vs, vtrace_returns.pg_advantages, args.baseline_cost,
+        args.entropy_cost, reduction="mean")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    average_gradients(optimizer)  # data parallel: every rank's learner steps with the mean over all ranks' unrolls
+    average_gradients(optimizer)  # data parallel: the mean over all ranks' unrolls
     grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
-    if not torch.isfinite(grad_norms).all():  # one host sync per update: stop before a NaN reaches the weights
+    if not torch.isfinite(grad_norms).all():  # one host sync per update: stop before NaN weights
         raise FloatingPointError(f"non-finite loss {loss.item()} or gradient")
-    vs = vtrace_returns.vs
     return {"policy_loss": pg_loss.detach(), "value_loss": value_loss.detach(), "entropy": entropy.detach(),
-            "approx_kl": (log_rhos.exp() - 1 - log_rhos).mean(),  # KL(mu || pi) estimated on mu's actions
+            "approx_kl": (log_rhos.exp() - 1 - log_rhos).mean(),  # KL(mu || pi) on mu's actions
             "explained_variance": 1 - (vs - values[:-1].detach()).var() / vs.var()}
 
 
-# ---- Actor-learner hand-over: what crosses between the actor's thread (and CUDA stream) and the learner's ----
-def stream_event(device):
-    """A CUDA event recorded after the work queued so far on this thread's current stream; None on CPU, where every
-    operation has finished when it returns."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+# ---- The actor: its own thread (and CUDA stream), fed parameters by the learner ----
+class Actor:
+    """IMPALA's actor, one thread of this process (procgen is not fork-safe; no copies between
+    processes). It steps all games as one batch, behind one reward normalizer, with its own copy of
+    the network, its own random generator and, on a GPU, its own CUDA stream, so its forward passes
+    and the learner's backward passes can run at the same time (in Python the two threads take
+    turns under the GIL; procgen's stepping and torch's kernels run without it).
+
+    Update n trains on unroll n, so the lag of unroll n is n minus the version (updates so far) of
+    the parameters it was played with. With --max-policy-lag k the actor starts unroll n only once
+    version n - k exists: no unroll is older than k, none is dropped, k = 0 is synchronous. k = 1,
+    learner slower (each Ln publishes v(n+1)):
+
+        actor    P0 (v0) | P1 (v0) | wait ....... | P2 (v1) | wait ....... | P3 (v2) ...
+        learner  wait .. | L0 on P0 ............. | L1 on P1 ............. | L2 on P2 ...
+
+    --deterministic-lag: unroll n is always played with version n - k exactly. Parameters cross
+    from the learner to the actor in `PolicySnapshots`, unrolls back in a queue."""
+
+    def __init__(self, agent, envs, snapshots, args, device, first_version, seed, autocast):
+        self.network = copy.deepcopy(agent)  # loaded from `snapshots` before every unroll
+        self.envs = envs
+        self.snapshots = snapshots
+        self.args = args
+        self.device = device
+        self.first_version = first_version  # the learner's first version: a resumed run's updates
+        self.seed = seed
+        self.autocast = autocast
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.unrolls = queue.Queue()  # at most k unrolls: the actor waits for parameters
+        self.stopping = threading.Event()
+        self.errors = []  # an exception of the actor's, for the learner to raise
+        self.thread = threading.Thread(target=self.run, name="actor", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def run(self):
+        try:
+            with on_stream(self.stream):
+                self.play()
+        except BaseException as error:  # the learner re-raises it: the run stops with its message
+            self.errors.append(error)
+
+    def play(self):
+        """Play unroll n with parameters at most k updates old (exactly k with --deterministic-lag);
+        repeat until stopped."""
+        args = self.args
+        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank).
+        obs = torch.as_tensor(self.envs.reset(seed=self.seed)[0], device=self.device)
+        unroll_index = self.first_version
+        while True:
+            wait_start = time.time()
+            oldest = max(unroll_index - args.max_policy_lag, self.first_version)
+            exact = args.deterministic_lag
+            version = self.snapshots.load_into(self.network, oldest, exact, self.stopping)
+            if version is None:  # stopped while waiting
+                return
+            play_start = time.time()
+            unroll = collect_unroll(self.network, self.envs, obs, args.unroll_length, self.autocast,
+                                    self.generator)
+            obs = unroll["obs"][-1]
+            # The normalizer between unrolls: what a checkpoint after this unroll's update holds.
+            unroll.update(version=version, reward_rms=reward_statistics(self.envs.env),
+                          ready=stream_event(self.device), actor_wait=play_start - wait_start,
+                          actor_play=time.time() - play_start)
+            self.unrolls.put(unroll)
+            unroll_index += 1
+
+    def next_unroll(self):
+        """The learner's end of the queue, on the learner's thread: the next unroll, once the
+        learner's stream waits for the actor's to have written it. An actor's exception stops the
+        run here."""
+        while not self.errors:
+            try:
+                unroll = self.unrolls.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            wait_for(unroll["ready"], [unroll[key] for key in UNROLL_TENSORS])
+            return unroll
+        raise self.errors[0]
+
+    def stop(self):
+        """The actor finishes its unroll (or its wait for parameters) and returns."""
+        self.stopping.set()
+        if self.thread.ident is not None:  # started
+            self.thread.join()
 
 
-def wait_for(event, tensors):
-    """Before this thread's current stream uses `tensors`, written on another stream up to `event`: the stream waits
-    for the event (on the GPU; the host goes on), and record_stream tells the caching allocator that the tensors are
-    in use on this stream too, so that their memory is not handed out again before it is done. No-op on CPU."""
-    if event is None:
-        return
-    stream = torch.cuda.current_stream()
-    stream.wait_event(event)
-    for tensor in tensors:
-        tensor.record_stream(stream)
-
-
-class PolicySnapshots:
-    """The learner's parameters by version (version = updates so far): the learner publishes a copy after every
-    update, the actor loads one into its own network before every unroll. Copies, never the live weights: the actor
-    never sees half an optimizer step, and the learner never waits for the actor. The Condition guards only this
-    dict; the GPU's order comes from events (`wait_for`). `keep` versions are kept: the newest one, or the last k + 1
-    with --deterministic-lag (unroll n needs version n - k while the learner may be at version n)."""
-
-    def __init__(self, keep):
-        self.keep = keep
-        self.versions = {}  # version -> (parameter copies, event after the copies)
-        self.condition = threading.Condition()
-
-    def publish(self, version, parameters, device):
-        copies = [parameter.detach().clone() for parameter in parameters]
-        event = stream_event(device)
-        with self.condition:
-            self.versions[version] = (copies, event)
-            for old in [v for v in self.versions if v <= version - self.keep]:
-                del self.versions[old]
-            self.condition.notify_all()
-
-    def load_into(self, network, version, exact, stop):
-        """Wait until `version` (exact) or any version >= it (not exact) is published, copy it (the newest such) into
-        `network` on this thread's stream and return its number; None when `stop` is set first."""
-        def available():
-            return [v for v in self.versions if v == version or (v > version and not exact)]
-
-        with self.condition:
-            while not (stop.is_set() or available()):
-                if exact and self.versions and min(self.versions) > version:
-                    raise RuntimeError(f"parameters of version {version} were dropped before the actor took them")
-                self.condition.wait(timeout=0.1)
-            if stop.is_set():
-                return None
-            version = max(available())
-            copies, event = self.versions[version]
-        wait_for(event, copies)
-        with torch.no_grad():
-            for parameter, snapshot in zip(network.parameters(), copies):
-                parameter.copy_(snapshot)
-        return version
-
-
-def require(ok, message):
-    if not ok:
-        raise SystemExit(f"error: {message}")
-
-
-def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
-    for flag in (*positive, *non_negative, *fractions):
-        value = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if value is None:
-            continue
-        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
-        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
-        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
-        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
-
-
-def check_args(args):
-    """Fail at once, before anything heavy is allocated, with one line naming the flag."""
-    require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
-            + ", ".join(PROCGEN_RANGES))
-    check_ranges(args, positive=("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration",
-                                 "eval_episodes", "hidden_size", "save_every", "learning_rate", "gamma", "rho_bar",
-                                 "c_bar", "pg_rho_bar", "max_grad_norm", "adam_eps", "reward_norm_gamma",
-                                 "reward_clip"),
-                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
-                               "max_policy_lag", "baseline_cost", "entropy_cost"),
-                 fractions=("gamma", "vtrace_lambda", "reward_norm_gamma"))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
-    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
-            "ranks: each rank's actor steps num_envs / ranks games")
+def train(args):
+    run = Run(args)  # flags, torchrun, seeds, threads, the log; a checkpoint to resume
+    args = run.args  # a resumed run continues with its checkpoint's flags
+    device = run.device
+    split_threads_between_actor_and_learner(args, device)
+    # One update per unroll of all games: an iteration is updates_per_iteration unrolls.
     steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
-    require(args.total_timesteps >= steps_per_iteration, f"--total-timesteps {args.total_timesteps} is less than one "
-            f"iteration (updates_per_iteration * num_envs * unroll_length = {steps_per_iteration})")
-    require(args.correction in ("vtrace", "none"), f"--correction {args.correction!r}: choose vtrace or none")
-    require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
-    if args.rho_bar < args.c_bar:
-        print(f"warning: --rho-bar {args.rho_bar} < --c-bar {args.c_bar}: V-trace's analysis (IMPALA paper, Appendix "
-              "A) assumes rho-bar >= c-bar", file=sys.stderr)
+    num_iterations = run.count_iterations(steps_per_iteration)
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
+    agent = Agent(args, num_actions=15).to(device)
+    if args.channels_last:
+        agent = agent.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    policy = run.load_agent(agent)  # a checkpoint's weights, alike on all ranks; --compile
+    if args.eval_only:
+        return run.evaluate_checkpoint()
+
+    envs = make_env(args, run.local_envs)  # this rank's games, all stepped by its actor
+    # version: the learner's updates so far, the number of the parameters it publishes; update n
+    # trains on unroll n.
+    version = run.resume(envs.env, optimizers={"optimizer": optimizer}, updates=0)["updates"]
+    run.keep(reward_rms=reward_statistics(envs.env))  # after the last unroll trained on
+    snapshots = PolicySnapshots(keep=args.max_policy_lag + 1 if args.deterministic_lag else 1)
+    snapshots.publish(version, agent.parameters(), device)
+    actor = Actor(agent, envs, snapshots, args, device, first_version=version, seed=run.env_seed,
+                  autocast=autocast)
+    global_step = (run.start_iteration - 1) * steps_per_iteration
+    # A signal stops at an iteration's end, a non-finite gradient before its step; the actor first.
+    failure_message = functools.partial(nonfinite_update_message, run)  # counted in updates
+    with run.guard(envs, on_stop=actor.stop, failure_message=failure_message):
+        actor.start()
+        for iteration in range(run.start_iteration, num_iterations + 1):
+            run.anneal_learning_rate(iteration)
+            lags = []
+            stats = []
+            episode_returns = []
+            episode_lengths = []
+            for _ in range(args.updates_per_iteration):
+                # 1. Take the next unroll the actor played.
+                with run.timer("wait"):
+                    unroll = actor.next_unroll()
+                lags.append(version - unroll["version"])  # updates between mu's parameters and now
+                episode_returns += unroll["episode_returns"]
+                episode_lengths += unroll["episode_lengths"]
+
+                # 2. V-trace and one gradient step; then publish the new parameters as version + 1.
+                with run.timer("learn"):
+                    stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
+                    optimizer.step()
+                    version += 1
+                    snapshots.publish(version, agent.parameters(), device)
+                run.keep(reward_rms=unroll["reward_rms"], updates=version)  # what a checkpoint holds
+                run.times["actor_wait"] += unroll["actor_wait"]  # the actor waiting for parameters
+                run.times["actor_play"] += unroll["actor_play"]  # and playing this unroll
+            global_step += steps_per_iteration
+
+            # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
+            # or stop where the flags or a signal ask.
+            losses = mean_over_updates(stats)
+            lag_columns, lag_note = policy_lag_columns(lags, args.max_policy_lag)
+            run.log_iteration(iteration, global_step, episode_returns, episode_lengths, losses,
+                              columns=lag_columns, note=lag_note)
+            run.end_iteration(iteration, global_step)
+    return run.run_dir
 
 
-def thread_budget(args, device):
-    """The actor thread runs its forward passes and procgen's C++ threads, the learner its forward and backward passes,
-    side by side, and torch's thread count is per process. Busy threads beyond the cores preempt each other, and a
-    torch thread team waits for its slowest member: on CPU actor and learner split the cores for torch (measured on
-    the 2-core machine with other jobs running: with 2 threads the actor's forward passes ran 9-27x slower and the
-    learner's updates 1.2-1.5x slower than with 1); procgen gets one thread. On GPU procgen gets the cores and torch
-    one thread for its bookkeeping."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
-    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
-    return env_threads, torch_threads
+# ---- Appendix: plumbing ----
+# (R_min, R_max) per game for the normalized score, easy and hard: train-procgen's constants.py.
+PROCGEN_RANGES = {
+    "bigfish": {"easy": (1, 40), "hard": (0, 40)}, "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
+    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)}, "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
+    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)}, "coinrun": {"easy": (5, 10), "hard": (5, 10)},
+    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)}, "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
+    "heist": {"easy": (3.5, 10), "hard": (2, 10)}, "jumper": {"easy": (1, 10), "hard": (1, 10)},
+    "leaper": {"easy": (1.5, 10), "hard": (1.5, 10)}, "maze": {"easy": (5, 10), "hard": (4, 10)},
+    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)}, "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
+    "plunder": {"easy": (4.5, 30), "hard": (3, 30)}, "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
+}
+
+
+def normalized_score(env_id, distribution_mode, episodic_return):
+    """(R - R_min) / (R_max - R_min); None for modes without published ranges."""
+    if distribution_mode not in PROCGEN_RANGES[env_id]:
+        return None
+    low, high = PROCGEN_RANGES[env_id][distribution_mode]
+    return (episodic_return - low) / (high - low)
+
+
+@torch.no_grad()
+def evaluate(agent, args, device, num_episodes, seed, video_path=None):
+    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded
+    level distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0
+    these are levels it did not train on, up to a vanishing chance (as train-procgen's test worker);
+    with N = 0 training covers them all."""
+    if num_episodes == 0:  # more ranks than evaluation episodes
+        return []
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
+                                                 args.env_threads))
+    obs, _ = envs.reset(seed=seed)
+    returns = np.full(num_episodes, np.nan)
+    frames = [obs[0]]
+    while np.isnan(returns).any():
+        logits, _ = agent(torch.as_tensor(obs, device=device))
+        obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
+        if "_episode" in info:
+            first_end = info["_episode"] & np.isnan(returns)
+            returns[first_end] = info["episode"]["r"][first_end]
+        if video_path and np.isnan(returns[0]):
+            frames.append(obs[0])
+    envs.close()
+    if video_path:
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+    return returns.tolist()
+
+
+def write_video(path, frames, fps=15):
+    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
+    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+
+
+class ProcgenVecEnv(gym.vector.VectorEnv):
+    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers
+    work on it.
+
+    Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that
+    episode's last reward and the *first* frame of the next episode (gym3's `first` flag). Procgen
+    has no time-limit signal, so truncated is always False: time-outs count as terminations.
+    `reset(seed=s)` builds fresh games whose levels and dynamics are fully determined by s
+    (procgen's `rand_seed`). """
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
+        if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
+            raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+            from procgen import ProcgenGym3Env
+        self._make = functools.partial(  # the games, once reset gives their seed
+            ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
+            start_level=start_level, num_threads=num_threads)
+        self.num_envs = num_envs
+        self.env = None  # made at reset, seeded then
+        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+        self.single_action_space = gym.spaces.Discrete(15)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        if self.env is not None:
+            self.env.close()
+        if seed is None:
+            seed = int(self.np_random.integers(2**31 - 1))
+        self.env = self._make(rand_seed=seed)
+        _, obs, _ = self.env.observe()
+        return obs["rgb"], {}
+
+    def step(self, actions):
+        self.env.act(np.asarray(actions, dtype=np.int32))
+        reward, obs, first = self.env.observe()
+        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
+
+    def close_extras(self, **kwargs):
+        if self.env is not None:
+            self.env.close()
+
+
+class Run:
+    """Everything a training run does besides its algorithm, for PPO, PPG and IMPALA alike. In the
+    order `train` calls it: `Run(args)` checks the flags, loads a checkpoint to resume or evaluate,
+    joins torchrun, seeds, splits the threads and opens the log; `count_iterations`, `load_agent`,
+    `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
+    loop, `timer` blocks, `log_iteration` and `end_iteration`."""
+
+    def __init__(self, args, prepare=None):
+        """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
+        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`."""
+        check_args(args)
+        self.checkpoint = None
+        if args.resume or args.eval_only:
+            self.checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+            # Each rank's reward statistics and RNG states are its own.
+            saved_ranks = len(self.checkpoint["ranks"])
+            same_ranks = saved_ranks == int(os.environ.get("WORLD_SIZE", 1))
+            require(args.eval_only or same_ranks, f"--resume {args.resume} was written by {saved_ranks} ranks: "
+                    f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+        self.args = args
+        self.rank, self.world_size, self.device = setup_distributed(args)
+        self.local_envs = args.num_envs // self.world_size
+        self.prepared = None
+        if prepare is not None and not args.eval_only:
+            self.prepared = prepare(args, self.device, self.world_size)
+        # Each rank its own actions and minibatches (and its own levels).
+        random.seed(args.seed + self.rank)
+        np.random.seed(args.seed + self.rank)
+        torch.manual_seed(args.seed + self.rank)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        # Autotuned kernels are faster, not reproducible.
+        torch.backends.cudnn.benchmark = not args.torch_deterministic
+        args.env_threads, torch_threads = thread_split(args, self.device)
+        torch.set_num_threads(torch_threads)
+        self.start_iteration = 1
+        resume_iteration = None
+        if args.resume:
+            self.start_iteration = self.checkpoint["iteration"] + 1
+            resume_iteration = self.checkpoint["iteration"]
+            self.run_name = self.checkpoint["run_name"]
+            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
+        else:
+            self.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+            if args.eval_only:
+                self.run_name += "__eval"
+            self.run_dir = os.path.join("runs", self.run_name)
+        self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
+        self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
+        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
+        # level is replayed.
+        self.env_seed = args.seed + (self.start_iteration - 1) * self.world_size + self.rank
+        self.agent = None
+        self.optimizers = {}
+        self.normalizer = None
+        self.state = {}  # what checkpoints hold besides weights, optimizers and RNGs (PPO: kl_beta)
+        self.reward_rms = None  # from `keep` where the normalizer runs ahead (IMPALA's actor)
+        self.times = collections.Counter()
+        self.recent_returns = collections.deque(maxlen=100)
+        self.interrupted = []
+        self.on_stop = None
+
+    def count_iterations(self, steps_per_iteration):
+        """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
+        args = self.args
+        self.steps_per_iteration = steps_per_iteration
+        self.num_iterations = args.total_timesteps // steps_per_iteration
+        trained_steps = self.num_iterations * steps_per_iteration
+        if trained_steps != args.total_timesteps and not args.eval_only:
+            iterations = self.num_iterations
+            print(f"note: training {trained_steps:,} steps ({iterations} whole iterations)")
+        if self.device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
+            print(CPU_NOTE)
+        return self.num_iterations
+
+    def load_agent(self, agent):
+        """The checkpoint's weights (if any), rank 0's on every rank; returns the network to call,
+        compiled with --compile (it shares the weights)."""
+        if self.checkpoint is not None:
+            agent.load_state_dict(self.checkpoint["agent"])
+        for tensor in agent.state_dict().values() if dist.is_initialized() else ():
+            dist.broadcast(tensor, src=0)
+        self.agent = agent
+        return torch.compile(agent) if self.args.compile else agent
+
+    def resume(self, normalizer, optimizers, **state):
+        """`optimizers` by the keys checkpoints keep them under ({"optimizer": ...}; PPG adds
+        "aux_optimizer") and the algorithm's `state` with its starting values. With --resume all get
+        the checkpoint's values, and this rank its reward statistics and RNG states. Returns the
+        state to continue from."""
+        self.normalizer = normalizer
+        self.optimizers = optimizers
+        self.state = dict(state)
+        if self.args.resume:
+            for key, optimizer in optimizers.items():
+                optimizer.load_state_dict(self.checkpoint[key])
+            restore_rank_state(self.checkpoint["ranks"][self.rank], normalizer)
+            self.state = {key: self.checkpoint[key] for key in state}
+            print(f"resuming {self.run_name} at iteration {self.start_iteration}")
+        return dict(self.state)
+
+    def keep(self, reward_rms=None, **state):
+        """Update what the next checkpoint holds (also one a non-finite gradient writes mid-iteration)."""
+        if reward_rms is not None:
+            self.reward_rms = reward_rms
+        self.state.update(state)
+
+    def checkpoint_state(self, iteration):
+        reward_rms = self.reward_rms
+        if reward_rms is None:
+            reward_rms = reward_statistics(self.normalizer)
+        optimizers = {key: optimizer.state_dict() for key, optimizer in self.optimizers.items()}
+        global_step = iteration * self.steps_per_iteration
+        ranks = gather([rank_state(reward_rms)])  # every rank's own state
+        return dict(agent=self.agent.state_dict(), **optimizers, iteration=iteration, global_step=global_step,
+                    **self.state, args=asdict(self.args), run_name=self.run_name, ranks=ranks)
+
+    def anneal_learning_rate(self, iteration):
+        """With --anneal-lr, every optimizer's rate falls linearly to 0 over the run."""
+        if not self.args.anneal_lr:
+            return
+        learning_rate = self.args.learning_rate * (1.0 - (iteration - 1) / self.num_iterations)
+        for optimizer in self.optimizers.values():
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
+
+    @contextlib.contextmanager
+    def timer(self, name):
+        """Adds the block's seconds to this iteration's time/<name> column (and its console line)."""
+        self.times[name] += 0.0  # columns in the order their timers first start
+        start = time.time()
+        yield
+        self.times[name] += time.time() - start
+
+    @contextlib.contextmanager
+    def guard(self, envs, on_stop=None, failure_message=None):
+        """Around the training loop: signals only ask to stop (see `catch_interrupt` and
+        `end_iteration`); a non-finite gradient saves the weights before that step and exits with
+        one line (`failure_message(error, path)` words it, where given); every exit closes the
+        games, the log and the process group. `on_stop` ends threads of the algorithm's own
+        (IMPALA's actor) before any checkpoint is written and at the end."""
+        self.interrupted = catch_interrupt()
+        self.on_stop = on_stop
+        self.start_time = time.time()
+        self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
+        try:
+            yield
+        except FloatingPointError as error:  # raised before the step that would put a NaN in weights
+            self.stop_threads()
+            path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
+            save_checkpoint(path, **self.checkpoint_state(self.completed))
+            if failure_message is not None:
+                raise SystemExit(failure_message(error, path))
+            raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
+                             f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
+                             "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.stop_threads()
+            envs.close()
+            self.logger.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def stop_threads(self):
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def log_iteration(self, iteration, global_step, episode_returns, episode_lengths, losses, columns=None,
+                      note="", seconds_per_iteration=None):
+        """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's
+        episodes, the `losses` (already averaged over the ranks), the algorithm's own `columns`, the
+        timers. The ETA assumes `seconds_per_iteration` for each iteration to come (default: the
+        steps per second so far); `note` goes after it on the console."""
+        episode_returns = gather(episode_returns)  # every rank's episodes count
+        episode_lengths = gather(episode_lengths)
+        self.recent_returns.extend(episode_returns)
+        elapsed = time.time() - self.start_time
+        sps = (global_step - self.start_step) / elapsed
+        learning_rate = next(iter(self.optimizers.values())).param_groups[0]["lr"]
+        gpu_memory = None
+        if self.device.type == "cuda":
+            gpu_memory = torch.cuda.max_memory_allocated() / 2**30
+        self.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                         "charts/learning_rate": learning_rate, "charts/episodes": len(episode_returns),
+                         "charts/episodic_return": mean_or_none(episode_returns),
+                         "charts/episodic_length": mean_or_none(episode_lengths),
+                         "charts/episodic_return_last100": mean_or_none(self.recent_returns),
+                         **{f"losses/{key}": value for key, value in losses.items()}, **(columns or {}),
+                         **{f"time/{key}": seconds for key, seconds in self.times.items()},
+                         "perf/gpu_memory_gb": gpu_memory})
+        self.completed = iteration
+        if seconds_per_iteration is None:
+            seconds_per_iteration = self.steps_per_iteration / sps
+        eta = (self.num_iterations - iteration) * seconds_per_iteration / 60
+        timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in self.times.items())
+        returns = "-"
+        if episode_returns:
+            returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
+        print(f"iter {iteration}/{self.num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | ETA "
+              f"{eta:.1f} min{note} | return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f}"
+              f" ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
+        self.times = collections.Counter()
+
+    def end_iteration(self, iteration, global_step, may_stop=True, reward_rms=None, **state):
+        """Evaluate and save a checkpoint where the flags ask, with `state` (see `keep`); then, if
+        any rank caught a signal, save and exit with 128 + its number, all ranks here together.
+        `may_stop=False` (PPG inside a phase) leaves the stop to a later iteration."""
+        self.keep(reward_rms, **state)
+        args = self.args
+        if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
+            self.evaluate(iteration, global_step)
+        checkpoint_path = os.path.join(self.run_dir, "checkpoint.pt")
+        if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
+            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
+        any_signal = all_reduce_mean(caught) > 0
+        if any_signal and may_stop:  # with nothing half done
+            signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
+            self.stop_threads()
+            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+            print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
+                  f"{self.run_dir}/checkpoint.pt; continue with --resume")
+            raise SystemExit(128 + signum)
+
+    def evaluate(self, iteration, global_step):
+        """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
+        args = self.args
+        video = None
+        if args.capture_video and self.rank == 0:
+            video = os.path.join(self.run_dir, "videos", f"eval_{iteration:05d}.mp4")
+        start = time.time()
+        num_episodes = len(range(self.rank, args.eval_episodes, self.world_size))
+        seed = args.seed + 10**6 + iteration * self.world_size + self.rank
+        episode_returns = evaluate(self.agent, args, self.device, num_episodes, seed, video)
+        eval_return = float(np.mean(gather(episode_returns)))
+        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
+        self.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                         "eval/normalized_score": score, "time/eval": time.time() - start}, video)
+        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
+              + (f", normalized score {score:.3f}" if score is not None else "")
+              + (f", video {video}" if video else ""))
+
+    def evaluate_checkpoint(self):
+        """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
+        self.evaluate(self.checkpoint["iteration"], self.checkpoint["global_step"])
+        self.logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return self.run_dir
+
+
+def mean_or_none(values):
+    return float(np.mean(values)) if len(values) else None
 
 
 def setup_distributed(args):
-    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global), WORLD_SIZE and
-    LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0 of 1, with no process group.
-    NCCL connects GPUs, gloo CPUs; a collective that a failed rank never joins times out after 10 minutes (torchrun
-    itself stops the other ranks 30 s after one fails)."""
+    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global),
+    WORLD_SIZE and LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0
+    of 1, with no process group. NCCL connects GPUs, gloo CPUs; a collective that a failed rank
+    never joins times out after 10 minutes (torchrun itself stops the other ranks 30 s after one
+    fails)."""
     rank = int(os.environ.get("RANK", 0))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
@@ -690,8 +993,9 @@ def all_reduce_mean(tensor):
 
 
 def average_gradients(optimizer):
-    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient of the whole
-    minibatch, all ranks alike. A parameter left out of the loss has no gradient on any rank."""
+    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient
+    of the whole minibatch, all ranks alike. A parameter left out of the loss has no gradient on any
+    rank."""
     if not dist.is_initialized():
         return
     grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
@@ -709,12 +1013,33 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one
+    group; PPG: one per network, so that the value network's gradient cannot shrink the policy's
+    step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
+def thread_split(args, device):
+    """In the rollout the games step while the network waits and vice versa, so procgen's and
+    torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
+    procgen one thread (measured on 2 cores: 2 torch threads run the rollout and the update 1.6-1.9x
+    faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
+    thread for its bookkeeping."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
+    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
+    return env_threads, torch_threads
+
+
 def catch_interrupt():
-    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
-    records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
-    128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
-    last checkpoint); under torchrun a process gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so
-    a repeat within 2 s counts once. `train` restores the default handlers when it returns."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
+    kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
+    a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
+    update. A second signal stops at once (keeping the last checkpoint); under torchrun a process
+    gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so a repeat within 2 s
+    counts once. `train` restores the default handlers when it returns."""
     requested = []
     first_time = []
 
@@ -733,9 +1058,9 @@ def catch_interrupt():
 
 
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard event files in the
-    same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
-    and, with --track, to wandb."""
+    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard
+    event files in the same directory (`tensorboard --logdir runs`: every numeric column with a '/'
+    in its name, at step global_step) and, with --track, to wandb."""
 
     def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
         self.file = None
@@ -795,9 +1120,15 @@ class Logger:
             self.wandb.finish()
 
 
+# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
+# logging only.
+RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
+                 "wandb_project", "wandb_entity", "wandb_mode")
+
+
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only,
-    every rank's part gathered; rank 0 writes it."""
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
+    plain data only, every rank's part gathered; rank 0 writes it."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return
     torch.save(state, path + ".tmp")
@@ -811,8 +1142,9 @@ def reward_statistics(normalizer):
 
 
 def rank_state(reward_rms):
-    """This process's own part of a checkpoint: its reward normalizer's statistics (`reward_statistics`) and its RNG
-    states, in the plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
+    """This process's own part of a checkpoint: its reward normalizer's statistics
+    (`reward_statistics`) and its RNG states, in the plain types that torch.load(weights_only=True)
+    accepts (numpy's RNG key as a list)."""
     numpy_rng = np.random.get_state(legacy=False)
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
     return {"reward_rms": reward_rms,
@@ -835,8 +1167,9 @@ def restore_rank_state(state, normalizer):
 
 
 def load_checkpoint(path, args):
-    """Tensors and plain data only (weights_only=True: loading a file never runs code from it); every failure is one
-    line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS given on this command line."""
+    """Tensors and plain data only (weights_only=True: loading a file never runs code from it);
+    every failure is one line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS
+    given on this command line."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
@@ -855,269 +1188,204 @@ def load_checkpoint(path, args):
                                "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
 
 
-def write_video(path, frames, fps=15):
-    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
-    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
-    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+def require(ok, message):
+    if not ok:
+        raise SystemExit(f"error: {message}")
 
 
-@torch.no_grad()
-def evaluate(agent, args, device, num_episodes, seed, video_path=None):
-    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded level
-    distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
-    not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
-    if num_episodes == 0:  # more ranks than evaluation episodes
-        return []
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads))
-    obs, _ = envs.reset(seed=seed)
-    returns = np.full(num_episodes, np.nan)
-    frames = [obs[0]]
-    while np.isnan(returns).any():
-        logits, _ = agent(torch.as_tensor(obs, device=device))
-        obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
-        if "_episode" in info:
-            first_end = info["_episode"] & np.isnan(returns)
-            returns[first_end] = info["episode"]["r"][first_end]
-        if video_path and np.isnan(returns[0]):
-            frames.append(obs[0])
-    envs.close()
-    if video_path:
-        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
-    return returns.tolist()
+def check_ranges(args, positive=(), non_negative=(), fractions=()):
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    for flag in (*positive, *non_negative, *fractions):
+        value = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if value is None:
+            continue
+        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
+        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
 
 
-# Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured on this
-# project's 2-core VMs (README, Speed).
+def check_args(args):
+    """Fail at once, before anything heavy is allocated, with one line naming the flag."""
+    require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
+            + ", ".join(PROCGEN_RANGES))
+    check_ranges(args, positive=("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration",
+                                 "eval_episodes", "hidden_size", "save_every", "learning_rate", "gamma", "rho_bar",
+                                 "c_bar", "pg_rho_bar", "max_grad_norm", "adam_eps", "reward_norm_gamma",
+                                 "reward_clip"),
+                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
+                               "max_policy_lag", "baseline_cost", "entropy_cost"),
+                 fractions=("gamma", "vtrace_lambda", "reward_norm_gamma"))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
+    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
+            "ranks: each rank's actor steps num_envs / ranks games")
+    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
+    require(args.total_timesteps >= steps_per_iteration, f"--total-timesteps {args.total_timesteps} is less than "
+            f"one iteration (updates_per_iteration * num_envs * unroll_length = {steps_per_iteration})")
+    require(args.correction in ("vtrace", "none"), f"--correction {args.correction!r}: choose vtrace or none")
+    require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
+    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
+    for flag in ("checkpoint", "resume"):
+        path = getattr(args, flag)
+        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    if args.rho_bar < args.c_bar:
+        print(f"warning: --rho-bar {args.rho_bar} < --c-bar {args.c_bar}: V-trace's analysis (IMPALA paper, "
+              "Appendix A) assumes rho-bar >= c-bar", file=sys.stderr)
+
+
+# Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
+# on this project's 2-core VMs (README, Speed).
 CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at about 290 steps/s: 25M steps take a day. A "
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 
 
-def train(args):
-    check_args(args)
-    if args.resume or args.eval_only:
-        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
-        saved_ranks = len(checkpoint["ranks"])  # each rank's reward statistics and RNG states are its own
-        require(args.eval_only or saved_ranks == int(os.environ.get("WORLD_SIZE", 1)), f"--resume {args.resume} was "
-                f"written by {saved_ranks} ranks: resume it with as many (torchrun --nproc-per-node {saved_ranks})")
-    rank, world_size, device = setup_distributed(args)
-    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
-    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
-    num_iterations = args.total_timesteps // steps_per_iteration
-    if num_iterations * steps_per_iteration != args.total_timesteps and not args.eval_only:
-        print(f"note: training {num_iterations * steps_per_iteration:,} steps ({num_iterations} whole iterations)")
-    if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
-        print(CPU_NOTE)
-    random.seed(args.seed + rank)  # each rank its own actions (and, below, its own levels)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
-    args.env_threads, torch_threads = thread_budget(args, device)
+# ---- IMPALA's own plumbing: CUDA streams, the actor-learner thread split, logging the policy lag ----
+class PolicySnapshots:
+    """The learner's parameters by version (version = updates so far): the learner publishes a copy
+    after every update, the actor loads one into its own network before every unroll. Copies, never
+    the live weights: the actor never sees half an optimizer step, and the learner never waits for the
+    actor. The Condition guards only this dict; the GPU's order comes from events (`wait_for`). `keep`
+    versions are kept: the newest one, or the last k + 1 with --deterministic-lag (unroll n needs
+    version n - k while the learner may be at version n)."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.versions = {}  # version -> (parameter copies, event after the copies)
+        self.condition = threading.Condition()
+
+    def publish(self, version, parameters, device):
+        copies = [parameter.detach().clone() for parameter in parameters]
+        event = stream_event(device)
+        with self.condition:
+            self.versions[version] = (copies, event)
+            for old in [published for published in self.versions if published <= version - self.keep]:
+                del self.versions[old]
+            self.condition.notify_all()
+
+    def load_into(self, network, version, exact, stop):
+        """Wait until `version` (exact) or any version >= it (not exact) is published, copy it (the
+        newest such) into `network` on this thread's stream and return its number; None when `stop` is
+        set first."""
+        def available():
+            return [published for published in self.versions
+                    if published == version or (published > version and not exact)]
+
+        with self.condition:
+            while not (stop.is_set() or available()):
+                if exact and self.versions and min(self.versions) > version:
+                    raise RuntimeError(f"parameters of version {version} were dropped before the actor took them")
+                self.condition.wait(timeout=0.1)
+            if stop.is_set():
+                return None
+            version = max(available())
+            copies, event = self.versions[version]
+        wait_for(event, copies)
+        with torch.no_grad():
+            for parameter, snapshot in zip(network.parameters(), copies):
+                parameter.copy_(snapshot)
+        return version
+
+
+def stream_event(device):
+    """A CUDA event recorded after the work queued so far on this thread's current stream; None on CPU,
+    where every operation has finished when it returns."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def wait_for(event, tensors):
+    """Before this thread's current stream uses `tensors`, written on another stream up to `event`: the
+    stream waits for the event (on the GPU; the host goes on), and record_stream tells the caching
+    allocator that the tensors are in use on this stream too, so that their memory is not handed out
+    again before it is done. No-op on CPU."""
+    if event is None:
+        return
+    stream = torch.cuda.current_stream()
+    stream.wait_event(event)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
+def on_stream(stream):
+    """Run the block on the actor's CUDA stream; on CPU (no stream) there is nothing to switch."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def actor_learner_threads(args, device):
+    """The actor thread runs its forward passes and procgen's C++ threads, the learner its forward and
+    backward passes, side by side, and torch's thread count is per process. Busy threads beyond the
+    cores preempt each other, and a torch thread team waits for its slowest member: on CPU actor and
+    learner split the cores for torch (measured on the 2-core machine with other jobs running: with 2
+    threads the actor's forward passes ran 9-27x slower and the learner's updates 1.2-1.5x slower than
+    with 1); procgen gets one thread. On GPU procgen gets the cores and torch one thread for its
+    bookkeeping. Returns (env_threads, torch_threads), as `thread_split` does for PPO."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
+    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
+    return env_threads, torch_threads
+
+
+def split_threads_between_actor_and_learner(args, device):
+    """`Run` gives torch PPO's share of the cores (`thread_split`: all of them on CPU); the actor and the
+    learner run at the same time, so they split the CPU's cores instead (`actor_learner_threads`).
+    Procgen's share is the same in both, so only torch's thread count changes here."""
+    args.env_threads, torch_threads = actor_learner_threads(args, device)
     torch.set_num_threads(torch_threads)
-    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
-    start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
-    run_name = checkpoint["run_name"] if args.resume else \
-        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
-    logger = Logger(args, run_name, run_dir, rank, resume_iteration=start_iteration - 1 if args.resume else None)
 
-    agent = Agent(args, num_actions=15).to(device)
-    if args.channels_last:
-        agent = agent.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    if args.resume or args.eval_only:
-        agent.load_state_dict(checkpoint["agent"])
-    for tensor in agent.state_dict().values() if dist.is_initialized() else ():  # all ranks start from rank 0's
-        dist.broadcast(tensor, src=0)
-    policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
 
-    def run_evaluation(iteration, global_step):
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video and rank == 0 \
-            else None
-        start = time.time()
-        eval_return = float(np.mean(gather(evaluate(  # the ranks share the episodes
-            agent, args, device, len(range(rank, args.eval_episodes, world_size)),
-            seed=args.seed + 10**6 + iteration * world_size + rank, video_path=video))))
-        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-        logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                    "eval/normalized_score": score, "time/eval": time.time() - start}, video)
-        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-              + (f", normalized score {score:.3f}" if score is not None else "")
-              + (f", video {video}" if video else ""))
+def mean_over_updates(stats):
+    """Each statistic's mean over the iteration's updates and over the ranks, as floats."""
+    per_update = torch.stack([torch.stack(list(update.values())) for update in stats])
+    means = all_reduce_mean(per_update.mean(0))
+    return dict(zip(stats[0], means.tolist()))
 
-    if args.eval_only:
-        run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
-        logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return run_dir
 
-    # The actor is one thread of this process (procgen is not fork-safe; no copies between processes): it steps all
-    # games as one batch, behind one reward normalizer, with its own copy of the network, its own random generator and,
-    # on a GPU, its own CUDA stream, so its forward passes and the learner's backward passes can run at the same time.
-    # In Python the two threads still take turns under the GIL; procgen's stepping and torch's kernels run without it.
-    envs = make_env(args, local_envs)
-    actor_agent = copy.deepcopy(agent)
-    actor_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so that no level is replayed.
-    env_seed = args.seed + (start_iteration - 1) * world_size + rank
-    generator = torch.Generator(device).manual_seed(env_seed)
-    if args.resume:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        restore_rank_state(checkpoint["ranks"][rank], envs.env)
-        print(f"resuming {run_name} at iteration {start_iteration}")
-    # version: the learner's updates so far, the number of the parameters it publishes; update n trains on unroll n.
-    version = checkpoint["updates"] if args.resume else 0
-    first_version = version
-    snapshots = PolicySnapshots(keep=args.max_policy_lag + 1 if args.deterministic_lag else 1)
-    snapshots.publish(version, agent.parameters(), device)
-    unrolls = queue.Queue()  # never holds more than k unrolls: the actor waits for parameters, not for room
-    stop = threading.Event()
-    errors = []
+def policy_lag_columns(lags, max_policy_lag):
+    """The iteration's policy lags (every rank's updates) as log columns: policy_lag/{mean, max} and
+    policy_lag/count_k for k = 0..max_policy_lag (updates whose unroll was played with parameters k
+    updates old); and the console's note."""
+    lags = gather(lags)
+    lag_counts = np.bincount(lags, minlength=max_policy_lag + 1).tolist()
+    columns = {"policy_lag/mean": mean_or_none(lags), "policy_lag/max": max(lags),
+               **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)}}
+    note = f" | lag {columns['policy_lag/mean']:.2f} (max {columns['policy_lag/max']})"
+    return columns, note
 
-    def actor():  # play unroll n with parameters at most k updates old (exactly k with --deterministic-lag); repeat
-        try:
-            with torch.cuda.stream(actor_stream) if actor_stream is not None else contextlib.nullcontext():
-                obs = torch.as_tensor(envs.reset(seed=env_seed)[0], device=device)
-                unroll_index = first_version
-                while True:
-                    wait_start = time.time()
-                    oldest = max(unroll_index - args.max_policy_lag, first_version)
-                    behaviour_version = snapshots.load_into(actor_agent, oldest, args.deterministic_lag, stop)
-                    if behaviour_version is None:  # stopped while waiting
-                        return
-                    play_start = time.time()
-                    unroll = collect_unroll(actor_agent, envs, obs, args.unroll_length, autocast, generator)
-                    obs = unroll["obs"][-1]
-                    # The normalizer as it is between two unrolls: what a checkpoint after this unroll's update holds.
-                    unroll.update(version=behaviour_version, reward_rms=reward_statistics(envs.env),
-                                  ready=stream_event(device),
-                                  actor_wait=play_start - wait_start, actor_play=time.time() - play_start)
-                    unrolls.put(unroll)
-                    unroll_index += 1
-        except BaseException as error:  # handed to the learner, which re-raises it: the run stops with its message
-            errors.append(error)
 
-    def next_unroll():  # the learner's end of the queue, where an actor's exception stops the run
-        while not errors:
-            with contextlib.suppress(queue.Empty):
-                return unrolls.get(timeout=0.1)
-        raise errors[0]
+def nonfinite_update_message(run, error, path):
+    """`Run.guard`'s one line for a non-finite loss or gradient, counted in updates: the weights saved
+    are those before the update that failed."""
+    updates = run.state["updates"]
+    return (f"error: {error} in update {updates + 1} (iteration {run.completed + 1}); the weights before "
+            f"that step, after {updates} updates, are saved in {path}")
 
-    def stop_actor():  # the actor finishes its unroll (or its wait for parameters) and returns
-        stop.set()
-        thread.join()
 
-    reward_rms = reward_statistics(envs.env)  # after the last unroll trained on (the actor may be playing on)
-
-    def checkpoint_state(iteration):  # `updates`: the optimizer steps in these weights (a NaN stops mid-iteration)
-        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, updates=version,
-                    global_step=iteration * steps_per_iteration, args=asdict(args), run_name=run_name,
-                    ranks=gather([rank_state(reward_rms)]))  # every rank's own state
-
-    thread = threading.Thread(target=actor, name="actor", daemon=True)
-    thread.start()
-    global_step = (start_iteration - 1) * steps_per_iteration
-    completed = start_iteration - 1
-    start_time = time.time()
-    start_step = global_step
-    recent_returns = collections.deque(maxlen=100)
-    interrupted = catch_interrupt()
-    try:
-        for iteration in range(start_iteration, num_iterations + 1):
-            if args.anneal_lr:
-                for group in optimizer.param_groups:
-                    group["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
-            times = collections.Counter()
-            lags = []
-            stats = []
-            episode_returns = []
-            episode_lengths = []
-            for _ in range(args.updates_per_iteration):
-                # 1. Take the next unroll; this stream waits for the actor's stream to have written it.
-                wait_start = time.time()
-                unroll = next_unroll()
-                wait_for(unroll["ready"], [unroll[key] for key in UNROLL_TENSORS])
-                learn_start = time.time()
-                times["wait"] += learn_start - wait_start
-                times["actor_wait"] += unroll["actor_wait"]
-                times["actor_play"] += unroll["actor_play"]
-                lags.append(version - unroll["version"])  # policy lag: updates between mu's parameters and now
-                episode_returns += unroll["episode_returns"]
-                episode_lengths += unroll["episode_lengths"]
-
-                # 2. V-trace and one gradient step; then the new parameters are published as version + 1.
-                stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
-                optimizer.step()
-                version += 1
-                snapshots.publish(version, agent.parameters(), device)
-                reward_rms = unroll["reward_rms"]
-                times["learn"] += time.time() - learn_start
-            global_step += steps_per_iteration
-
-            # 3. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console. Columns: global_step,
-            # iteration, time, charts/{SPS, learning_rate, episodes, episodic_return, episodic_length,
-            # episodic_return_last100}, losses/{policy_loss, value_loss, entropy, approx_kl, explained_variance}
-            # (means over the iteration's updates), policy_lag/{mean, max} and policy_lag/count_k for
-            # k = 0..max_policy_lag (updates whose unroll was played with parameters k updates old), time/{wait, learn}
-            # (the learner waiting for unrolls, and learning), time/{actor_wait, actor_play} (the actor waiting for
-            # parameters, and playing, for this iteration's unrolls), perf/gpu_memory_gb (peak; None on CPU).
-            episode_returns = gather(episode_returns)  # every rank's episodes and lags count
-            episode_lengths = gather(episode_lengths)
-            lags = gather(lags)
-            recent_returns.extend(episode_returns)
-            sps = (global_step - start_step) / (time.time() - start_time)
-            average = lambda xs: float(np.mean(xs)) if len(xs) else None
-            means = all_reduce_mean(torch.stack([torch.stack(list(update.values())) for update in stats]).mean(0))
-            losses = dict(zip(stats[0], means.tolist()))
-            lag_counts = np.bincount(lags, minlength=args.max_policy_lag + 1).tolist()
-            logger.log({"global_step": global_step, "iteration": iteration, "time": time.time() - start_time,
-                        "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                        "charts/episodes": len(episode_returns), "charts/episodic_return": average(episode_returns),
-                        "charts/episodic_length": average(episode_lengths),
-                        "charts/episodic_return_last100": average(recent_returns),
-                        **{f"losses/{key}": value for key, value in losses.items()},
-                        "policy_lag/mean": average(lags), "policy_lag/max": max(lags),
-                        **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)},
-                        **{f"time/{key}": times[key] for key in ("wait", "learn", "actor_wait", "actor_play")},
-                        "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
-                        else None})
-            completed = iteration
-            eta = (num_iterations - iteration) * steps_per_iteration / sps / 60
-            returns = f"{average(episode_returns):.2f} ({len(episode_returns)} eps)" if episode_returns else "-"
-            print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (learner: wait "
-                  f"{times['wait']:.1f}s, learn {times['learn']:.1f}s; actor: wait {times['actor_wait']:.1f}s, play "
-                  f"{times['actor_play']:.1f}s) | ETA {eta:.1f} min | lag {average(lags):.2f} (max {max(lags)}) | "
-                  f"return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f} "
-                  f"ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
-
-            if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
-                run_evaluation(iteration, global_step)
-            if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            if all_reduce_mean(torch.tensor(float(bool(interrupted)), device=device)) > 0:  # any rank's signal
-                signum = interrupted[0] if interrupted else signal.SIGTERM  # stops all, here, with nothing half done
-                stop_actor()
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
-                      f"{run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(128 + signum)
-    except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
-        stop_actor()
-        path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
-        save_checkpoint(path, **checkpoint_state(completed))
-        raise SystemExit(f"error: {error} in update {version + 1} (iteration {completed + 1}); the weights before that "
-                         f"step, after {version} updates, are saved in {path}")
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        stop_actor()
-        envs.close()
-        logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return run_dir
+def check_vtrace_inputs(log_rhos, discounts, rewards, values, bootstrap_value, lambda_):
+    """from_importance_weights' shapes and lambda_, one line naming the argument on a mistake. Only
+    shapes are inspected (never tensor contents), so validation costs no device->host sync; a 0-dim
+    lambda_ tensor is not read either."""
+    others = dict(log_rhos=log_rhos, discounts=discounts, rewards=rewards)
+    if torch.is_tensor(lambda_) and lambda_.dim() > 0:
+        others["lambda_"] = lambda_
+    elif not torch.is_tensor(lambda_) and not 0.0 <= lambda_ <= 1.0:
+        raise ValueError(f"lambda_: expected a float in [0, 1], a 0-dim tensor or a [T, B, ...] tensor, got {lambda_}")
+    if values.dim() < 2 or values.shape[0] < 1:
+        raise ValueError(f"values: expected shape [T, B, ...] with rank >= 2 and T >= 1, got {tuple(values.shape)}")
+    if tuple(bootstrap_value.shape) != tuple(values.shape[1:]):
+        raise ValueError(f"bootstrap_value: expected shape values.shape[1:] = {tuple(values.shape[1:])} "
+                         f"(V(x_T) for each [B, ...] entry), got {tuple(bootstrap_value.shape)}")
+    for name, tensor in others.items():
+        trailing_broadcast = all(size in (1, expected) for size, expected in zip(tensor.shape[2:], values.shape[2:]))
+        if tensor.dim() != values.dim() or tensor.shape[:2] != values.shape[:2] or not trailing_broadcast:
+            raise ValueError(f"{name}: expected shape [T, B, ...] = {tuple(values.shape)} (same rank as values, "
+                             f"trailing dims may be 1 to broadcast), got {tuple(tensor.shape)}")
 
 
 if __name__ == "__main__":
