@@ -1,16 +1,15 @@
-"""PPO on Procgen: play a rollout with the current policy, estimate advantages with GAE, then take a
-few epochs of clipped policy-gradient steps on it (Schulman et al. 2017, arXiv 1707.06347), with the
-IMPALA-CNN and the reward normalization of the Procgen benchmark (Cobbe et al. 2020, arXiv
-1912.01588).
+"""PPO on Procgen: play a rollout with the current policy, estimate advantages with GAE, then take
+a few epochs of clipped policy-gradient steps on it (Schulman et al. 2017, arXiv 1707.06347), with
+the IMPALA-CNN and reward normalization of the Procgen benchmark (Cobbe et al. 2020, 1912.01588).
 
 Run:  python ppo_procgen.py --env-id starpilot          (all flags: python ppo_procgen.py --help)
 Read top to bottom: the environment, the network, the algorithm's pieces, then `train`, the story;
-the appendix below `train` is plumbing (evaluation, torchrun, logging, checkpoints, signals, flag
-checks). """
+the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
 import collections
 import contextlib
 import datetime
 import functools
+import gzip
 import io
 import json
 import math
@@ -27,15 +26,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so
-# imported later (torch.optim imports it on first use) it would keep the group and gloo's threads
-# alive past destroy_process_group, and such a thread can abort the process as it exits.
+# Before any process group exists: imported later (torch.optim does on first use) it would keep
+# group.WORLD and gloo's threads alive past destroy_process_group, which can abort the exit.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from gymnasium.vector import AutoresetMode
-from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisodeStatistics
+from gymnasium.wrappers.vector import ClipReward, RecordEpisodeStatistics
 
 
 @dataclass
@@ -70,11 +68,13 @@ class Args:
     max_grad_norm: float = 0.5
     """global gradient-norm clip"""
     target_kl: Optional[float] = None
-    """clip: stop the update after an epoch whose mean approximate KL (so far) exceeds this (None:
-    never); kl-penalty: d_targ, the KL that beta is adapted towards (the PPO paper's best: 0.01)"""
+    """clip: stop an update after an epoch whose mean approximate KL passes this; kl-penalty: d_targ"""
     kl_beta: Optional[float] = None
-    """kl-penalty's beta: None starts at 1 and, after each update, halves it when KL < d_targ / 1.5
-    and doubles it when KL > 1.5 d_targ (PPO paper, section 4); a number keeps beta fixed"""
+    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper, section 4: `adapt_kl_beta`)"""
+    kl_estimator: Literal["exact", "official"] = "exact"
+    """kl-penalty's KL: 'exact' (PPO paper), or 'official' (PPG code; --kl-beta 1: results/ppgkl)"""
+    minibatch_unit: Literal["frames", "games"] = "frames"
+    """minibatches of random frames (CleanRL, baselines) or of whole games (the PPG code; see `minibatches`)"""
     adam_eps: float = 1e-5
     """Adam epsilon (baselines PPO uses 1e-5)"""
     reward_norm_gamma: float = 0.999
@@ -114,6 +114,8 @@ class Args:
     """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
+    on_track: bool = True
+    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
     """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
     track: bool = False
@@ -149,8 +151,7 @@ class Args:
 
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
-    the std of a running discounted return (discount --reward-norm-gamma) and clipped, as in the
-    Procgen baselines."""
+    the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
@@ -181,14 +182,12 @@ class ResidualBlock(nn.Module):
 
 class ImpalaCNN(nn.Module):
     """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a
-    stride-2 max-pool and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as
-    the env returns them."""
+    stride-2 max-pool, two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames."""
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
         self.channels_last = channels_last
-        # The PPG code's normed residual scale: the stacks share the variance, each over 2 blocks
-        # of two convs: sqrt(1/sqrt(len(channels))/sqrt(2)) per conv.
+        # The PPG code's normed residual scale: the stacks share the variance, 2 blocks of 2 convs.
         residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
         layers = []
         in_channels = 3
@@ -237,9 +236,7 @@ class Agent(nn.Module):
 
 
 def sample_action(logits, generator=None):
-    """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation. A thread that must not share torch's global RNG passes
-    its own `generator` (on the logits' device)."""
+    """Gumbel-max: argmax(logits + Gumbel noise) ~ softmax(logits), with no host sync; or `generator`'s."""
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
@@ -251,13 +248,11 @@ def log_prob_entropy(logits, actions):
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors.
-
-    dones[t] = 1 means obs[t] is the first frame of a new episode, so step t-1 was an episode's last
-    step: its TD error must not look past it. The rollout's last step bootstraps from V(next_obs).
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors. dones[t]
+    = 1: obs[t] starts a new episode, so step t-1's TD error must not look past it; the rollout's
+    last step bootstraps from V(next_obs).
       delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_{t+1}) - V(s_t)
-      A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}
-    """
+      A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}"""
     advantages = torch.zeros_like(rewards)
     last_advantage = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[0])):
@@ -275,10 +270,16 @@ def categorical_kl(old_logits, logits):
     return (old_log_probs.exp() * (old_log_probs - F.log_softmax(logits, dim=-1))).sum(-1)
 
 
+def penalty_kl(old_logits, logits, log_ratio, estimator):
+    """The per-sample KL(pi_old || pi): exact, or the PPG code's 1/2 (log r)^2 ('official')."""
+    if estimator == "official":  # the sampled action's second-order estimate
+        return 0.5 * log_ratio**2
+    return categorical_kl(old_logits, logits.float())
+
+
 def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
-    """PPO's surrogate objective on one minibatch, negated to be minimized; ratio r = pi(a|s) /
-    pi_old(a|s) and kl the per-state KL(pi_old || pi). Both keep the new policy near pi_old, the
-    policy that collected the data:
+    """PPO's surrogate objective on one minibatch, negated; r = pi(a|s) / pi_old(a|s), kl the
+    per-state KL(pi_old || pi) (`penalty_kl`). Both keep pi near pi_old, which collected the data:
       'clip'       (PPO Eq. 7): L = E[min(r A, clip(r, 1 - eps, 1 + eps) A)]
       'kl-penalty' (PPO Eq. 8): L = E[r A - beta KL(pi_old(.|s) || pi(.|s))]"""
     if kind == "kl-penalty":
@@ -287,9 +288,8 @@ def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
 
 
 def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
-    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value may
-    not move more than clip_coef from its rollout value: the larger of the clipped and the unclipped
-    squared error counts."""
+    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value
+    may not move more than clip_coef from its rollout value: the larger squared error counts."""
     squared_error = (new_value - returns) ** 2
     if clip_vloss:
         clipped_value = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
@@ -307,10 +307,9 @@ def adapt_kl_beta(kl_beta, kl, target_kl):
 
 
 def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
-    """PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and
-    the value loss for `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V).
-    Returns mean statistics; "kl" is the exact KL(pi_old || pi) averaged over the last epoch's
-    minibatches (measured before each step)."""
+    """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
+    loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
+    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update."""
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -320,10 +319,8 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     stats = {}
     steps_taken = 0  # minibatch steps over all epochs so far: a KL early stop ends the update early
     for epoch in range(max(epochs_pi, epochs_v)):
-        permutation = torch.randperm(batch_size, device=batch["obs"].device)
         epoch_kl = 0.0
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = permutation[start : start + minibatch_size]
+        for minibatch in minibatches(batch_size, args, batch["obs"].device):
             with autocast():
                 logits, new_value = agent(batch["obs"][minibatch])
             new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][minibatch])
@@ -333,13 +330,12 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 mb_advantages = (mb_advantages - mean) / (std + 1e-8)
             log_ratio = new_log_prob - batch["log_probs"][minibatch]
             ratio = log_ratio.exp()
-            kl = categorical_kl(batch["logits"][minibatch], logits.float())
+            kl = penalty_kl(batch["logits"][minibatch], logits, log_ratio, args.kl_estimator)
             pg_loss = policy_loss(ratio, mb_advantages, kl, args.policy_loss, args.clip_coef, kl_beta)
             v_loss = value_loss(new_value.float(), batch["values"][minibatch], batch["returns"][minibatch],
                                 args.clip_coef, args.clip_vloss)
             # PPO Eq. 9: L = -L_policy + c1 L_VF - c2 S. A term outside its epochs is left out of
-            # the graph, so its parameters get no gradient (a zero gradient would still move them
-            # through Adam's momentum).
+            # the graph: its parameters get no gradient (a zero one would still move them in Adam).
             loss = 0.0
             if epoch < epochs_pi:
                 loss = pg_loss - args.ent_coef * entropy.mean()
@@ -366,6 +362,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
             break
     stats = {key: value / steps_taken for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
+    if args.policy_loss == "kl-penalty":  # PPO section 4 adapts beta to the KL the update reached
+        with torch.no_grad(), autocast():
+            logits = torch.cat([agent(obs)[0].float() for obs in batch["obs"].split(minibatch_size)])
+        log_ratio = log_prob_entropy(logits, batch["actions"])[0] - batch["log_probs"]
+        stats["kl_after"] = penalty_kl(batch["logits"], logits, log_ratio, args.kl_estimator).mean()
     return dict(zip(stats, all_reduce_mean(torch.stack(list(stats.values()))).tolist()))
 
 
@@ -440,7 +441,7 @@ def train(args):
                                    kl_beta)
                 stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
                 if args.policy_loss == "kl-penalty" and args.kl_beta is None:
-                    kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
+                    kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
                 stats["explained_variance"] = explained_variance(returns, values)
 
             # 4. Log; then evaluate, save a checkpoint or stop where the flags or a signal ask.
@@ -469,6 +470,60 @@ def normalized_score(env_id, distribution_mode, episodic_return):
         return None
     low, high = PROCGEN_RANGES[env_id][distribution_mode]
     return (episodic_return - low) / (high - low)
+
+
+ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG", "ppgsingle": "official PPG single-network",
+                 "ppgkl": "official PPG-KL", "easy-all": "official baselines PPO (easy-all)"}
+REFERENCES = {}  # benchmarks/reference's curves, read once
+
+
+def anchor_name(args):
+    """Which of the anchors' runs (benchmarks/reference/) this script and its flags reproduce, if any."""
+    script = os.path.basename(__file__)
+    if script == "ppo_procgen.py":
+        return "ppo"
+    if script != "ppg_procgen.py":
+        return None
+    if args.policy_loss == "kl-penalty":
+        return "ppgkl"
+    return {"dual": "ppg", "detach": "ppgsingle"}[args.arch]
+
+
+def reference_line(script_dir, env_id, distribution_mode, algorithm, global_step, our_return):
+    """'On track?': `our_return` at `global_step` against the anchors' seeds there, as
+    `benchmarks/results.py --on-track` prints it: their mean [min, max]. None where no reference
+    exists (PPO: easy = baselines' easy-all, hard = the PPG paper's PPO; PPG: hard only)."""
+    experiment = algorithm
+    source = "phasic_policy_gradient"
+    if (distribution_mode, algorithm) == ("easy", "ppo"):
+        experiment = "easy-all"
+        source = "train_procgen"
+    path = os.path.join(script_dir, "benchmarks", "reference", f"{source}.json.gz")
+    if algorithm is None or our_return is None or not os.path.exists(path):
+        return None
+    if distribution_mode != "hard" and experiment != "easy-all":
+        return None
+    if path not in REFERENCES:
+        with gzip.open(path, "rt") as f:
+            REFERENCES[path] = json.load(f)
+    data = REFERENCES[path]
+    values = []
+    for seed in data["experiments"].get(experiment, {}).get("seeds", []):
+        curve = data["curves"][seed].get(env_id, {"steps": [], "returns": []})
+        points = [(step, value) for step, value in zip(curve["steps"], curve["returns"]) if value is not None]
+        if not points or not points[0][0] <= global_step <= points[-1][0]:
+            return None
+        steps, returns = zip(*points)
+        values.append(float(np.interp(global_step, steps, returns)))
+    if not values:
+        return None
+    where = "within"
+    if our_return < min(values):
+        where = "below"
+    if our_return > max(values):
+        where = "above"
+    return (f"{env_id} @ {global_step / 1e6:.1f}M: ours {our_return:.1f} vs {ANCHOR_LABELS[experiment]} "
+            f"{np.mean(values):.1f} [{min(values):.1f}, {max(values):.1f}] ({where})")
 
 
 @torch.no_grad()
@@ -551,6 +606,33 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
+class NormalizeReward(gym.vector.VectorWrapper):
+    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
+    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
+    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
+    are `return_rms` (mean, var, count), as checkpoints keep them."""
+
+    def __init__(self, env, gamma, epsilon=1e-8):
+        super().__init__(env)
+        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
+        self.returns = np.zeros(self.num_envs)
+        self.gamma = gamma
+        self.epsilon = epsilon
+
+    def reset(self, *, seed=None, options=None):
+        self.returns = np.zeros(self.num_envs)  # fresh games
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.return_rms.update(self.returns)
+        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
+        return obs, reward, terminated, truncated, info
+
+
 class FramesToDevice:
     """The games' frames onto the device; on CUDA through a pinned staging buffer, copied asynchronously."""
 
@@ -572,9 +654,11 @@ class Run:
     `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
     loop, `timer` blocks, `log_iteration` and `end_iteration`."""
 
-    def __init__(self, args, prepare=None):
+    def __init__(self, args, prepare=None, split_threads=None):
         """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
-        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`."""
+        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`.
+        `split_threads(args, device) -> (env_threads, torch_threads)` replaces `thread_split` (IMPALA: its actor
+        and learner share the cores)."""
         check_args(args)
         self.checkpoint = None
         if args.resume or args.eval_only:
@@ -587,6 +671,19 @@ class Run:
         self.args = args
         self.rank, self.world_size, self.device = setup_distributed(args)
         self.local_envs = args.num_envs // self.world_size
+        self.start_iteration = 1
+        self.saved = None  # (iteration, path) of the last checkpoint written
+        if args.resume:
+            self.start_iteration = self.checkpoint["iteration"] + 1
+            self.saved = (self.checkpoint["iteration"], args.resume)
+            self.run_name = self.checkpoint["run_name"]
+            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
+            require(os.access(self.run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+        else:  # a directory no other run uses; an unwritable runs/ stops here, before anything big
+            eval_suffix = "__eval" if args.eval_only else ""
+            seconds = int(time.time())
+            base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
+            self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
         self.prepared = None
         if prepare is not None and not args.eval_only:
             self.prepared = prepare(args, self.device, self.world_size)
@@ -597,20 +694,11 @@ class Run:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         # Autotuned kernels are faster, not reproducible.
         torch.backends.cudnn.benchmark = not args.torch_deterministic
-        args.env_threads, torch_threads = thread_split(args, self.device)
+        if split_threads is None:
+            split_threads = thread_split
+        args.env_threads, torch_threads = split_threads(args, self.device)
         torch.set_num_threads(torch_threads)
-        self.start_iteration = 1
-        resume_iteration = None
-        if args.resume:
-            self.start_iteration = self.checkpoint["iteration"] + 1
-            resume_iteration = self.checkpoint["iteration"]
-            self.run_name = self.checkpoint["run_name"]
-            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
-        else:
-            self.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-            if args.eval_only:
-                self.run_name += "__eval"
-            self.run_dir = os.path.join("runs", self.run_name)
+        resume_iteration = self.start_iteration - 1 if args.resume else None
         self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
         self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
         # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
@@ -714,12 +802,19 @@ class Run:
         except FloatingPointError as error:  # raised before the step that would put a NaN in weights
             self.stop_threads()
             path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
-            save_checkpoint(path, **self.checkpoint_state(self.completed))
+            if not save_checkpoint(path, **self.checkpoint_state(self.completed)):
+                raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); "
+                                 f"{self.last_saved()}")
             if failure_message is not None:
                 raise SystemExit(failure_message(error, path))
             raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
                              f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
                              "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
+        except KeyboardInterrupt:  # a second signal (`catch_interrupt`): stop at once, in one line
+            signum = self.interrupted[-1] if self.interrupted else signal.SIGINT
+            name = signal.Signals(signum).name
+            print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+            raise SystemExit(128 + signum)
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -777,18 +872,37 @@ class Run:
         args = self.args
         if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
             self.evaluate(iteration, global_step)
-        checkpoint_path = os.path.join(self.run_dir, "checkpoint.pt")
         if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+            # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
+            require(self.save(iteration) or iteration < self.num_iterations,
+                    f"the final checkpoint could not be written (see above); {self.last_saved()}")
         caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
         any_signal = all_reduce_mean(caught) > 0
         if any_signal and may_stop:  # with nothing half done
             signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
             self.stop_threads()
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
-            print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
-                  f"{self.run_dir}/checkpoint.pt; continue with --resume")
+            name = signal.Signals(signum).name
+            if self.save(iteration):
+                print(f"interrupted by {name}: saved iteration {iteration} to "
+                      f"{self.run_dir}/checkpoint.pt; continue with --resume")
+            else:
+                print(f"interrupted by {name}: iteration {iteration} could not be saved; "
+                      f"{self.last_saved()}", flush=True)
             raise SystemExit(128 + signum)
+
+    def save(self, iteration):
+        """checkpoint.pt for `iteration`; False (after one line) where the write failed."""
+        path = os.path.join(self.run_dir, "checkpoint.pt")
+        saved = save_checkpoint(path, **self.checkpoint_state(iteration))
+        if saved:
+            self.saved = (iteration, path)
+        return saved
+
+    def last_saved(self):
+        if self.saved is None:
+            return "no checkpoint of this run was saved"
+        iteration, path = self.saved
+        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
 
     def evaluate(self, iteration, global_step):
         """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
@@ -807,6 +921,13 @@ class Run:
         print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
               + (f", normalized score {score:.3f}" if score is not None else "")
               + (f", video {video}" if video else ""))
+        if args.on_track and args.num_levels == 0 and self.rank == 0:
+            script_dir = os.path.dirname(os.path.abspath(__file__))
+            training_return = mean_or_none(self.recent_returns)
+            line = reference_line(script_dir, args.env_id, args.distribution_mode, anchor_name(args), global_step,
+                                  training_return)
+            if line is not None:
+                print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
     def evaluate_checkpoint(self):
         """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
@@ -815,6 +936,39 @@ class Run:
         if dist.is_initialized():
             dist.destroy_process_group()
         return self.run_dir
+
+
+def create_run_dir(base_name, rank):
+    """runs/<base_name>, created exclusively by rank 0 and named alike on every rank: two runs
+    started at once with the same name (a sweep) never share a directory; the later one takes the
+    next free name, -2, -3, ... Returns (name, path); an unwritable runs/ fails with one line."""
+    outcome = [base_name, None]  # the name taken, or why none could be
+    suffix = 1
+    while rank == 0:
+        try:
+            os.makedirs(os.path.join("runs", outcome[0]))  # atomic: of two racing runs one succeeds
+            break
+        except FileExistsError:
+            suffix += 1
+            outcome[0] = f"{base_name}-{suffix}"
+        except OSError as error:  # read-only, no permission, runs is a file, ...
+            outcome[1] = f"cannot create the run directory runs/{outcome[0]}: {error.strerror}"
+            break
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    require(outcome[1] is None, outcome[1])
+    return outcome[0], os.path.join("runs", outcome[0])
+
+
+def minibatches(batch_size, args, device):
+    """One epoch's minibatches of a flat [num_steps * num_games] batch (index t * num_games + n), by
+    --minibatch-unit: random frames, or every step of num_games / num_minibatches random games."""
+    num_games = batch_size // args.num_steps
+    if args.minibatch_unit == "frames":
+        return torch.randperm(batch_size, device=device).split(batch_size // args.num_minibatches)
+    games = torch.randperm(num_games, device=device).split(num_games // args.num_minibatches)
+    steps = torch.arange(0, batch_size, num_games, device=device)  # t * num_games
+    return [(steps[:, None] + group[None, :]).flatten() for group in games]
 
 
 def mean_or_none(values):
@@ -908,15 +1062,17 @@ def catch_interrupt():
     """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
     kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
     a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
-    update. A second signal stops at once (keeping the last checkpoint); under torchrun a process
-    gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so a repeat within 2 s
-    counts once. `train` restores the default handlers when it returns."""
+    update. A second signal stops at once, exit 128 + its number, with one line naming the last
+    checkpoint (`Run.guard`); under torchrun a process gets one Ctrl-C twice (from the terminal and
+    forwarded by torchrun), so a repeat within 2 s counts once. `Run.guard` restores the default
+    handlers when the loop ends."""
     requested = []
     first_time = []
 
     def handler(signum, frame):
         if requested and time.time() - first_time[0] > 2:
-            raise KeyboardInterrupt
+            requested.append(signum)
+            raise KeyboardInterrupt  # `Run.guard` ends the run with one line
         if requested:
             return
         requested.append(signum)
@@ -949,7 +1105,7 @@ class Logger:
             purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
-        self.file = open(path, "a")
+        self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
         self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
         self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
@@ -963,8 +1119,17 @@ class Logger:
     def log(self, row, video=None):
         if self.file is None:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        line = (json.dumps(row) + "\n").encode()
+        length = self.file.seek(0, os.SEEK_END)
+        try:  # one unbuffered write per row; a failed one is cut off again: no row is half there
+            written = self.file.write(line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of {len(line)} bytes")
+        except OSError as error:
+            self.file.truncate(length)
+            reason = error.strerror or error
+            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
+                  "the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
@@ -999,11 +1164,28 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 
 def save_checkpoint(path, **state):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
-    plain data only, every rank's part gathered; rank 0 writes it."""
+    plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
+    prints one line with the file, the error and the size needed, leaves no temporary file and
+    returns False: the run goes on and retries at its next save (`Run.end_iteration`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
-        return
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+        return True
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return True
+    except (OSError, RuntimeError) as error:  # torch words a full disk as RuntimeError "unexpected"
+        needed = io.BytesIO()
+        torch.save(state, needed)
+        disk = os.statvfs(os.path.dirname(path) or ".")
+        free = disk.f_bavail * disk.f_frsize
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
+        print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
+              f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
+              flush=True)
+        return False
+    finally:  # also when a second signal interrupts the write
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def reward_statistics(normalizer):
@@ -1095,6 +1277,10 @@ def check_args(args):
             f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
             f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
             f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    local_envs = args.num_envs // world_size
+    require(args.minibatch_unit == "frames" or local_envs % args.num_minibatches == 0,
+            f"--minibatch-unit games splits each rank's {local_envs} envs into --num-minibatches "
+            f"{args.num_minibatches} equal groups: make it a divisor of {local_envs}")
     require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
             f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")

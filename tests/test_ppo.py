@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from conftest import ROOT, CueEnv
+from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 import ppo_procgen as ppo
@@ -343,3 +345,157 @@ def test_track_offline_logs_to_a_local_wandb_run_and_tensorboard(in_tmp):
     (run_file,) = glob.glob("runs/*/wandb/offline-run-*/run-*.wandb")
     assert os.path.getsize(run_file) > 0
     assert glob.glob("runs/*/wandb/offline-run-*/files/media/videos/eval/*.mp4")  # the eval video was uploaded
+
+
+class ScriptedRewards(gym.vector.VectorEnv):
+    """Rewards and episode ends given in advance ([T, N] arrays), SAME_STEP autoreset as ProcgenVecEnv."""
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, rewards, dones):
+        self.rewards, self.dones, self.t = rewards, dones, 0
+        self.num_envs = rewards.shape[1]
+        self.single_observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+        self.single_action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros((self.num_envs, 1), np.float32), {}
+
+    def step(self, actions):
+        reward, done = self.rewards[self.t], self.dones[self.t]
+        self.t += 1
+        return np.zeros((self.num_envs, 1), np.float32), reward, done, np.zeros_like(done), {}
+
+
+def test_reward_normalizer_keeps_the_episode_history_at_its_last_step():
+    """Issue 17 item 5: 4-step episodes of reward 1, gamma 0.5: the statistics see G = 1, 1.5, 1.75, 1.875 and then
+    a new episode's 1, 1.5, ... (gymnasium 1.x's wrapper would feed 1.0 at the last step); each reward is divided by
+    the std of all G so far."""
+    rewards = np.ones((8, 1))
+    dones = np.tile([False, False, False, True], 2)[:, None]
+    normalizer = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.5)
+    fed = []
+    update = normalizer.return_rms.update
+    normalizer.return_rms.update = lambda x: (fed.append(x.tolist()), update(x))
+    normalizer.reset(seed=0)
+    reference = gym.wrappers.utils.RunningMeanStd(shape=())
+    for expected in [1, 1.5, 1.75, 1.875] * 2:
+        reward = normalizer.step(np.zeros(1, dtype=int))[1]
+        reference.update(np.array([expected]))
+        assert reward == pytest.approx(1 / np.sqrt(reference.var + 1e-8))
+    assert fed == [[value] for value in [1, 1.5, 1.75, 1.875] * 2]
+    assert (normalizer.return_rms.mean, normalizer.return_rms.var) == (reference.mean, reference.var)
+
+
+def test_reward_normalizer_matches_gym_0_23_semantics():
+    """gym 0.26.2's NormalizeReward keeps gym 0.23's loop (CleanRL's): G = gamma G + r, update, divide, reset G where
+    an episode ended. On random rewards with random episode ends both give the same rewards and statistics."""
+    old_gym = pytest.importorskip("gym")
+    from gym.wrappers import NormalizeReward as OldNormalizeReward
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=(300, 4)) * rng.integers(0, 2, size=(300, 4))
+    dones = rng.random((300, 4)) < 0.05
+
+    class OldVectorEnv(old_gym.Env):
+        is_vector_env = True
+        num_envs = 4
+
+        def __init__(self):
+            self.t = 0
+
+        def step(self, actions):
+            self.t += 1
+            return None, rewards[self.t - 1], dones[self.t - 1], np.zeros(4, dtype=bool), {}
+
+    old = OldNormalizeReward(OldVectorEnv(), gamma=0.99)
+    new = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.99)
+    new.reset(seed=0)
+    for _ in range(300):
+        np.testing.assert_allclose(new.step(np.zeros(4, dtype=int))[1], old.step(None)[1], rtol=1e-12)
+    for key in ("mean", "var", "count"):
+        assert getattr(new.return_rms, key) == pytest.approx(getattr(old.return_rms, key), rel=1e-12)
+
+
+def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch):
+    """Issue 17 item 2: PPO section 4 adapts beta to d, the KL the update reached. With one minibatch and one epoch
+    the KL before the step is exactly 0, the KL after it is not: ppo_update measures it in a pass after the update,
+    and train() feeds that one to beta's rule."""
+    args, agent = tiny_agent()
+    args = dataclasses.replace(args, policy_loss="kl-penalty", kl_beta=1.0, num_steps=64)
+    obs = torch.randint(0, 256, (64, 64, 64, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        logits, values = agent(obs)
+    actions = ppo.sample_action(logits)
+    batch = dict(obs=obs, actions=actions, log_probs=ppo.log_prob_entropy(logits, actions)[0], logits=logits,
+                 values=values, advantages=torch.randn(64), returns=values + torch.randn(64))
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext, kl_beta=1.0)
+    with torch.no_grad():
+        expected = ppo.categorical_kl(logits, agent(obs)[0]).mean().item()
+    assert stats["kl"] == 0 and stats["kl_after"] == pytest.approx(expected, rel=1e-5) and expected > 0
+
+    cue_env(ppo)
+    fed, measured = [], []
+    real_update, real_adapt = ppo.ppo_update, ppo.adapt_kl_beta
+
+    def update(*args, **kwargs):
+        measured.append(real_update(*args, **kwargs))
+        return measured[-1]
+
+    def adapt(kl_beta, kl, target_kl):
+        fed.append(kl)
+        return real_adapt(kl_beta, kl, target_kl)
+    monkeypatch.setattr(ppo, "ppo_update", update)
+    monkeypatch.setattr(ppo, "adapt_kl_beta", adapt)
+    run_dir = ppo.train(cue_args(ppo, policy_loss="kl-penalty", target_kl=0.01, total_timesteps=1024))
+    assert fed == [stats["kl_after"] for stats in measured] and fed != [stats["kl"] for stats in measured]
+    rows = [row for row in read_rows(run_dir) if "losses/kl_after" in row]
+    assert [row["losses/kl_after"] for row in rows] == pytest.approx(fed) and len(rows) == 2
+
+
+def test_official_kl_estimator_on_a_hand_made_example():
+    """Issue 17 item 3: the PPG code's PPG-KL (--clip_param 0 --kl_penalty 1) minimizes E[-r A] + 1 * 1/2 E[(log r)^2]
+    over the sampled actions: --policy-loss kl-penalty --kl-beta 1 --kl-estimator official."""
+    ratio = torch.tensor([2.0, 1.0, 0.25])
+    advantages = torch.tensor([1.0, -1.0, 2.0])
+    old_logits, logits = torch.zeros(3, 15), torch.randn(3, 15)  # ignored by the official estimate
+    kl = ppo.penalty_kl(old_logits, logits, ratio.log(), "official")
+    np.testing.assert_allclose(kl.numpy(), [0.5 * np.log(2) ** 2, 0, 0.5 * np.log(4) ** 2], rtol=1e-6)
+    loss = ppo.policy_loss(ratio, advantages, kl, "kl-penalty", 0.2, 1.0)
+    assert loss.item() == pytest.approx((-2 + 1 - 0.5 + 0.5 * np.log(2) ** 2 + 0.5 * np.log(4) ** 2) / 3, rel=1e-6)
+    exact = ppo.penalty_kl(old_logits, logits, ratio.log(), "exact")
+    np.testing.assert_allclose(exact.numpy(), ppo.categorical_kl(old_logits, logits).numpy())
+
+
+def test_minibatches_of_games_hold_whole_games_and_frames_are_unchanged():
+    """Issue 17 item 4: with --minibatch-unit games every step of a game (index t * num_games + n of the flattened
+    [num_steps, num_games] batch) lands in one minibatch, each minibatch holds num_games / num_minibatches games;
+    'frames' is the shuffled split it always was (the same random numbers)."""
+    args = ppo.Args(num_steps=16, num_envs=8, num_minibatches=4, minibatch_unit="games")
+    minibatches = ppo.minibatches(16 * 8, args, torch.device("cpu"))
+    assert sorted(torch.cat(minibatches).tolist()) == list(range(128)) and len(minibatches) == 4
+    for minibatch in minibatches:
+        games = set((minibatch % 8).tolist())
+        assert len(games) == 2 and sorted(minibatch.tolist()) == sorted(t * 8 + n for t in range(16) for n in games)
+    torch.manual_seed(0)
+    frames = ppo.minibatches(128, dataclasses.replace(args, minibatch_unit="frames"), torch.device("cpu"))
+    torch.manual_seed(0)
+    permutation = torch.randperm(128)
+    assert all(torch.equal(a, permutation[32 * i : 32 * (i + 1)]) for i, a in enumerate(frames))
+    with pytest.raises(SystemExit, match="--minibatch-unit games splits each rank's 6 envs into --num-minibatches 4"):
+        ppo.check_args(dataclasses.replace(args, num_envs=6, num_minibatches=4, total_timesteps=10**6))
+
+
+def test_paper_ppo_baseline_recipe_has_the_official_value_loss_scale():
+    """Issue 17 item 1: the PPG code's PPO baseline minimizes vfcoef * MSE = 0.5 * mean((V - R)^2) (no value
+    clipping); benchmarks/procgen_suite.sh's hard-mode PPO command must give the same value-loss term here."""
+    import tyro
+    environment = {**os.environ, "DRY_RUN": "1", "MODE": "hard", "GAMES": "coinrun", "SEEDS": "1",
+                   "SCRIPTS": "ppo_procgen.py"}
+    command = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "procgen_suite.sh")], env=environment,
+                             capture_output=True, text=True, check=True).stdout.splitlines()[0].split()
+    args = tyro.cli(ppo.Args, args=command[2:])
+    new_value, old_value, returns = torch.tensor([1.0, 0.1, -1.0]), torch.zeros(3), torch.tensor([2.0, 0.0, 0.0])
+    ours = args.vf_coef * ppo.value_loss(new_value, old_value, returns, args.clip_coef, args.clip_vloss)
+    assert ours.item() == pytest.approx(0.5 * (1 + 0.01 + 1) / 3)  # official: 0.5 * mean([1, 0.01, 1])
+    assert args.minibatch_unit == "games" and args.update_epochs == 3  # the official baseline's minibatches, epochs

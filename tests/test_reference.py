@@ -242,14 +242,25 @@ def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg):
     assert "no run matches a reference" in capsys.readouterr().out
 
 
-def test_scripts_reference_line_if_pasted():
-    """The scripts' `reference_line` (pasted into their shared appendix) agrees with results.py's line."""
+def test_scripts_reference_line_agrees_with_results_py():
+    """The scripts' `reference_line` (in their shared appendix) agrees with results.py's line."""
     import ppo_procgen
-    if not hasattr(ppo_procgen, "reference_line"):
-        pytest.skip("reference_line is not in ppo_procgen.py yet")
     ppg_reference = results.load_references()["phasic_policy_gradient/ppg"]
     theirs = results.reference_at(ppg_reference, "starpilot", 12e6)
     expected = results.on_track_line("starpilot", 12e6, [14.2], "official PPG", theirs).replace(" (1 seed)", "")
     assert ppo_procgen.reference_line(ROOT, "starpilot", "hard", "ppg", 12_000_000, 14.2) == expected
     assert ppo_procgen.reference_line(ROOT, "starpilot", "easy", "ppg", 12_000_000, 14.2) is None
     assert ppo_procgen.reference_line(ROOT, "starpilot", "hard", "ppg", 1_000, 14.2) is None
+
+
+def test_scripts_pick_their_anchor_from_their_flags():
+    import ppg_procgen
+    import ppo_procgen
+    import vtrace
+    assert ppo_procgen.anchor_name(ppo_procgen.Args()) == "ppo"
+    assert ppg_procgen.anchor_name(ppg_procgen.Args()) == "ppg"
+    assert ppg_procgen.anchor_name(ppg_procgen.Args(arch="detach")) == "ppgsingle"
+    assert ppg_procgen.anchor_name(ppg_procgen.Args(policy_loss="kl-penalty")) == "ppgkl"
+    assert vtrace.anchor_name(vtrace.Args()) is None
+    easy = ppo_procgen.reference_line(ROOT, "starpilot", "easy", "ppo", 1_500_000, 3.0)
+    assert easy.startswith("starpilot @ 1.5M: ours 3.0 vs official baselines PPO (easy-all) ") and "(below)" in easy

@@ -243,7 +243,7 @@ def test_procgen_suite_dry_run():
     hard = suite(MODE="hard", GAMES="coinrun", SEEDS="1").stdout.splitlines()
     assert hard[0].endswith("--distribution-mode hard --total-timesteps 100000000 --save-model --num-envs 256 "
                             "--exp-name ppo_paper_baseline --init normed --adv-norm batch --max-grad-norm inf "
-                            "--no-clip-vloss --adam-eps 1e-8 --reward-norm-gamma 0.99")
+                            "--no-clip-vloss --adam-eps 1e-8 --reward-norm-gamma 0.99 --vf-coef 1.0 --minibatch-unit games")
     assert hard[1].endswith("--num-envs 256")
     for variables, message in (({"MODE": "medium"}, "MODE=medium"), ({"GAMES": "pong"}, "GAMES contains pong"),
                                ({"SCRIPTS": "dqn.py"}, "SCRIPTS contains dqn.py")):

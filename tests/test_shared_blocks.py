@@ -55,8 +55,9 @@ def test_args_fields_in_common_are_identical_except_documented_defaults():
     ppo, ppg = fields(script("ppo_procgen.py")), fields(script("ppg_procgen.py"))
     changed = {name for name in set(ppo) & set(ppg) if ppo[name] != ppg[name]}
     # PPG's defaults follow its paper and code: full-batch advantage normalization, normed init, no gradient clipping,
-    # unclipped value loss, Adam's default epsilon, the reward normalizer's own gamma 0.99.
-    assert changed == {"adv_norm", "init", "max_grad_norm", "clip_vloss", "adam_eps", "reward_norm_gamma"}
+    # unclipped value loss, Adam's default epsilon, the reward normalizer's own gamma 0.99, minibatches of whole games.
+    assert changed == {"adv_norm", "init", "max_grad_norm", "clip_vloss", "adam_eps", "reward_norm_gamma",
+                       "minibatch_unit"}
     assert set(ppo) - set(ppg) == {"update_epochs"}  # replaced by E_pi and E_V
 
 

@@ -1,0 +1,187 @@
+"""Nothing lost in sweeps, full disks and preemptions (issue 21), on ppo_procgen.py's shared `Run` blocks: run
+directories are never shared, a failed checkpoint or metrics write costs one line and nothing else, an unwritable
+runs/ fails before anything heavy, and a second signal stops at once with one line."""
+import dataclasses
+import errno
+import json
+import os
+import signal
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+import ppo_procgen as ppo
+
+
+def tiny_args(**overrides):
+    base = dict(env_id="coinrun", total_timesteps=96, num_envs=4, num_steps=8, num_minibatches=1, update_epochs=1,
+                channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, torch_threads=1)
+    return ppo.Args(**{**base, **overrides})
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_runs_started_in_one_second_with_one_name_get_their_own_directories(cue_env, in_tmp, monkeypatch):
+    """A sweep over --learning-rate with the same seed and name, both runs in the same second: two directories,
+    each with its own flags and only its own rows."""
+    cue_env(ppo)
+    clock = [1_700_000_000.0]
+
+    def frozen_second():  # the same whole second for both runs, yet time moves on within it
+        clock[0] += 1e-4
+        return clock[0]
+    monkeypatch.setattr(ppo, "time", types.SimpleNamespace(time=frozen_second))
+    first = ppo.train(tiny_args(learning_rate=1e-3))
+    second = ppo.train(tiny_args(learning_rate=2e-3))
+    assert second == first + "-2"
+    for run_dir, learning_rate in [(first, 1e-3), (second, 2e-3)]:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            assert json.load(f)["learning_rate"] == learning_rate
+        assert [row["iteration"] for row in rows(run_dir) if "losses/policy_loss" in row] == [1, 2, 3]
+
+
+def test_racing_runs_never_take_the_same_directory(in_tmp):
+    names = []
+    threads = [threading.Thread(target=lambda: names.append(ppo.create_run_dir("same", rank=0)[0]))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(names) == sorted(["same"] + [f"same-{i}" for i in range(2, 9)])
+
+
+@pytest.mark.parametrize("how", ["runs is a file", "read-only"])
+def test_unwritable_runs_parent_fails_with_one_line_before_anything_heavy(how, in_tmp, monkeypatch):
+    if how == "runs is a file":
+        open("runs", "w").close()
+    else:
+        def read_only(path, mode=0o777):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        monkeypatch.setattr(os, "mkdir", read_only)
+    monkeypatch.setattr(ppo, "make_env", lambda *args: pytest.fail("games made before the check"))
+    monkeypatch.setattr(ppo, "Agent", lambda *args, **kwargs: pytest.fail("network built before the check"))
+    with pytest.raises(SystemExit, match="^error: cannot create the run directory runs/coinrun__") as raised:
+        ppo.train(tiny_args())
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def full_disk_after(monkeypatch, failing_saves):
+    """torch.save to a checkpoint's .tmp file writes half of it and then fails like a full disk, at the
+    `failing_saves`-th saves (1-based); other calls (in memory) go through."""
+    real_save = torch.save
+    calls = [0]
+
+    def save(obj, target, *args, **kwargs):
+        if not isinstance(target, str):
+            return real_save(obj, target, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] not in failing_saves:
+            return real_save(obj, target, *args, **kwargs)
+        real_save(obj, target)
+        with open(target, "r+b") as f:
+            f.truncate(os.path.getsize(target) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_full_disk_costs_one_line_and_the_run_goes_on(cue_env, in_tmp, monkeypatch, capsys):
+    cue_env(ppo)
+    full_disk_after(monkeypatch, failing_saves={2})
+    run_dir = ppo.train(tiny_args(save_model=True, save_every=1))
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line]
+    path = os.path.join(run_dir, "checkpoint.pt")
+    assert warning.startswith(f"warning: could not write {path}: No space left on device (it needs ")
+    assert "MiB free); the previous checkpoint is kept" in warning
+    assert os.listdir(run_dir).count("checkpoint.pt.tmp") == 0
+    assert torch.load(path, weights_only=True)["iteration"] == 3  # retried at the next save
+    assert [row["iteration"] for row in rows(run_dir) if "losses/policy_loss" in row] == [1, 2, 3]
+
+
+def test_a_failed_final_checkpoint_fails_the_run_and_keeps_the_previous_one(cue_env, in_tmp, monkeypatch, capsys):
+    cue_env(ppo)
+    full_disk_after(monkeypatch, failing_saves={2, 3})
+    with pytest.raises(SystemExit, match="^error: the final checkpoint could not be written .* the last checkpoint "
+                                         "is iteration 1 in runs/.*/checkpoint.pt") as raised:
+        ppo.train(tiny_args(save_model=True, save_every=1))
+    assert len(str(raised.value).splitlines()) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2  # one line per failed save
+    (run_dir,) = [os.path.join("runs", name) for name in os.listdir("runs")]
+    assert "checkpoint.pt.tmp" not in os.listdir(run_dir)
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["iteration"] == 1  # intact
+
+
+def test_a_failed_metrics_write_leaves_no_half_row(in_tmp, capsys):
+    logger = ppo.Logger(tiny_args(), "run", "runs/run")
+    logger.log({"global_step": 1, "iteration": 1})
+
+    class FullDisk:  # writes half of what it is given, then the disk is full
+        def __init__(self, file):
+            self.file, self.name = file, file.name
+
+        def seek(self, *args):
+            return self.file.seek(*args)
+
+        def truncate(self, length):
+            return self.file.truncate(length)
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real_file = logger.file
+    logger.file = FullDisk(real_file)
+    logger.log({"global_step": 2, "iteration": 2})
+    logger.file = real_file
+    logger.log({"global_step": 3, "iteration": 3})
+    logger.close()
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert "could not write a row to runs/run/metrics.jsonl (No space left on device)" in warning
+    assert [row["iteration"] for row in rows("runs/run")] == [1, 3]
+
+
+def test_a_second_signal_stops_at_once_with_one_line(cue_env, in_tmp, monkeypatch, capsys):
+    """The first SIGTERM asks for a stop at the iteration's end; a second one more than 2 s later (within that
+    iteration) stops at once: exit 143 and one line naming the last checkpoint, no KeyboardInterrupt traceback."""
+    cue_env(ppo)
+    real_gae = ppo.compute_gae
+    calls = [0]
+
+    def gae_then_signals(*args):
+        calls[0] += 1
+        if calls[0] == 2:  # in iteration 2, after iteration 1's checkpoint
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_gae(*args)
+    monkeypatch.setattr(ppo, "compute_gae", gae_then_signals)
+    with pytest.raises(SystemExit) as raised:
+        ppo.train(tiny_args(save_model=True, save_every=1))
+    assert raised.value.code == 128 + signal.SIGTERM
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("stopped at once by a second SIGTERM: the last checkpoint is iteration 1 in runs/")
+    assert last.endswith("checkpoint.pt (continue with --resume)")
+
+
+def test_the_resumed_directory_is_the_checkpoints_own(cue_env, in_tmp):
+    cue_env(ppo)
+    run_dir = ppo.train(tiny_args(save_model=True, save_every=1, total_timesteps=64))
+    args = dataclasses.replace(tiny_args(), resume=os.path.join(run_dir, "checkpoint.pt"))
+    assert os.path.samefile(ppo.train(args), run_dir)
+    assert os.listdir("runs") == [os.path.basename(run_dir)]
+
+
+def test_a_nonfinite_stop_whose_checkpoint_cannot_be_written_says_so(in_tmp, monkeypatch, capsys):
+    monkeypatch.setattr(ppo, "compute_gae", lambda rewards, *args: torch.full_like(rewards, float("nan")))
+    full_disk_after(monkeypatch, failing_saves={1})
+    with pytest.raises(SystemExit, match="^error: non-finite .*; its checkpoint could not be written \\(see "
+                                         "above\\); no checkpoint of this run was saved$"):
+        ppo.train(tiny_args(env_id="bigfish", total_timesteps=32))
+    assert "could not write runs/" in capsys.readouterr().err
+    (run_dir,) = os.listdir("runs")
+    assert not [name for name in os.listdir(os.path.join("runs", run_dir)) if name.startswith("checkpoint")]
