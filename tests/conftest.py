@@ -60,3 +60,71 @@ def in_tmp(tmp_path, monkeypatch):
     """Run in a temporary directory, so runs/ lands there."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+# Topic markers for grading subsets (`pytest -m gae tests`; the markers are registered in pytest.ini), assigned by
+# test file and name. Tests that need Procgen games, torchrun or a CUDA GPU are marked procgen / torchrun / cuda
+# instead and kept out of the topic subsets. Names are fnmatch patterns of the test's name without its parameters.
+TOPIC_TESTS = {
+    "gae": {"test_ppo": ["test_gae_*", "test_ppo_learns_the_cue_task"],
+            "test_ppg": ["test_without_aux_phase_the_training_loop_is_ppo"]},
+    "ppo_loss": {"test_ppo": ["test_first_minibatch_has_ratio_one_and_no_clipping", "test_clipped_surrogate_*",
+                              "test_kl_penalty_surrogate_*", "test_categorical_kl_*", "test_clipped_value_loss_*",
+                              "test_beta_is_adapted_to_the_kl_after_the_update",
+                              "test_official_kl_estimator_on_a_hand_made_example",
+                              "test_paper_ppo_baseline_recipe_has_the_official_value_loss_scale",
+                              "test_ppo_learns_the_cue_task"],
+                 "test_ppg": ["test_value_only_epochs_leave_the_policy_network_alone"]},
+    "ppg_aux": {"test_ppg": ["test_auxiliary_phase_*", "test_kl_is_zero_when_nothing_moves",
+                             "test_gradient_accumulation_*", "test_value_loss_never_reaches_the_policy_network",
+                             "test_each_network_is_clipped_on_its_own", "test_ppg_learns_the_cue_task",
+                             "test_without_aux_epochs_there_is_no_buffer_and_no_pi_old"],
+                "test_distributed": ["test_ppg_auxiliary_minibatch_is_global"]},
+    "vtrace": {"test_vtrace": ["test_*"],
+               "test_vtrace_learner": ["test_learner_feeds_vtrace_the_aligned_batch", "test_correction_none_*",
+                                       "test_actor_learner_learns_the_cue_task_with_a_throttled_lag",
+                                       "test_rho_bar_below_c_bar_warns"]},
+    "rlhf": {"test_rlhf": ["test_bradley_terry_*", "test_response_mask_and_per_token_rewards_*",
+                           "test_reward_whitening_keeps_the_mean_and_feeds_gae", "test_ppo_reaches_the_kl_*",
+                           "test_huge_beta_keeps_the_policy_at_the_reference", "test_end_to_end_small"]},
+}
+NEEDS = {
+    "procgen": {"test_ppo": ["test_adapter_spaces_dtypes_shapes", "test_adapter_is_deterministic_given_the_seed",
+                             "test_episode_statistics_equal_sums_of_raw_rewards", "test_same_seed_same_run_on_cpu",
+                             "test_nonfinite_loss_saves_a_checkpoint_and_stops", "test_end_to_end_*",
+                             "test_track_offline_*"],
+                "test_ppg": ["test_end_to_end_phase_checkpoint_resume"],
+                "test_vtrace_learner": ["test_end_to_end_interrupt_resume_and_eval_only"],
+                "test_reliability": ["test_damaged_foreign_and_old_checkpoints_fail_with_one_line"],
+                "test_speed": ["test_fast_path_gives_the_plain_path_losses", "test_benchmark_harness_*",
+                               "test_cuda_fast_path_*"],
+                "test_distributed": ["test_torchrun_sigterm_and_resume_end_to_end", "test_a_rank_that_raises_*"]},
+    "torchrun": {"test_distributed": ["test_two_ranks_*", "test_torchrun_sigterm_and_resume_end_to_end",
+                                      "test_a_rank_that_raises_*"]},
+    "cuda": {"test_speed": ["test_cuda_*"], "test_vtrace": ["test_cuda_*"],
+             "test_vtrace_learner": ["test_actor_and_learner_on_cuda_streams"]},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import fnmatch
+
+    def matches(table, stem, name):
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in table.get(stem, ()))
+
+    tests_dir = os.path.join(ROOT, "tests")
+    for item in items:
+        if os.path.dirname(str(item.path)) != tests_dir:
+            continue
+        stem = os.path.splitext(os.path.basename(str(item.path)))[0]
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        needs = [need for need, table in NEEDS.items() if matches(table, stem, name)]
+        if "[" in item.name and "cuda" in item.name.split("[", 1)[1].rstrip("]").split("-"):  # a cuda parameter
+            needs.append("cuda")
+        for need in dict.fromkeys(needs):
+            item.add_marker(need)
+        if needs:
+            continue
+        for topic, table in TOPIC_TESTS.items():
+            if matches(table, stem, name):
+                item.add_marker(topic)
