@@ -60,13 +60,13 @@ class Args:
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = True
-    """clip the value loss around the rollout's values (baselines PPO)"""
+    """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
-    """global gradient-norm clip"""
+    """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
     """clip: stop an update after an epoch whose mean approximate KL passes this; kl-penalty: d_targ"""
     kl_beta: Optional[float] = None
@@ -76,9 +76,9 @@ class Args:
     minibatch_unit: Literal["frames", "games"] = "frames"
     """minibatches of random frames (CleanRL, baselines) or of whole games (the PPG code; see `minibatches`)"""
     adam_eps: float = 1e-5
-    """Adam epsilon (baselines PPO uses 1e-5)"""
+    """Adam epsilon (baselines PPO: 1e-5; the PPG code and CleanRL's PPG: PyTorch's default 1e-8)"""
     reward_norm_gamma: float = 0.999
-    """discount of the running return whose std divides the rewards (CleanRL: the agent's gamma, 0.999)"""
+    """discount of the running return whose std divides the rewards (CleanRL: 0.999; the PPG code: 0.99)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -146,7 +146,7 @@ class Args:
     compile: bool = False
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes on CUDA or CPU (losses stay float32); off, as in the papers"""
+    """bfloat16 autocast of the forward passes (losses stay float32); off, as in the papers (CleanRL's PPG: unstable)"""
 
 
 def make_env(args, num_envs):
@@ -371,7 +371,7 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
 
 
 def train(args):
-    run = Run(args)  # flags, torchrun, seeds, threads, the log; a checkpoint to resume
+    run = Run(args)  # flags, torchrun, seeds, threads, the log; what --resume continues
     args = run.args  # a resumed run continues with its checkpoint's flags
     device = run.device
     local_envs = run.local_envs  # this rank's games; --num-envs and every step count are global
@@ -472,13 +472,14 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG", "ppgsingle": "official PPG single-network",
-                 "ppgkl": "official PPG-KL", "easy-all": "official baselines PPO (easy-all)"}
+ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG",
+                 "ppgsingle": "official PPG single-network", "ppgkl": "official PPG-KL",
+                 "easy-all": "official baselines PPO (easy-all)"}
 REFERENCES = {}  # benchmarks/reference's curves, read once
 
 
 def anchor_name(args):
-    """Which of the anchors' runs (benchmarks/reference/) this script and its flags reproduce, if any."""
+    """Which anchor's runs (benchmarks/reference/) this script and its flags reproduce, if any."""
     script = os.path.basename(__file__)
     if script == "ppo_procgen.py":
         return "ppo"
@@ -713,6 +714,7 @@ class Run:
         self.recent_returns = collections.deque(maxlen=100)
         self.interrupted = []
         self.on_stop = None
+        self.last_cycle_seconds = None  # between the last two `stage` ends (PPG: a phase)
 
     def count_iterations(self, steps_per_iteration):
         """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
@@ -787,16 +789,39 @@ class Run:
         self.times[name] += time.time() - start
 
     @contextlib.contextmanager
-    def guard(self, envs, on_stop=None, failure_message=None):
+    def stage(self, name, iteration, global_step, since=None):
+        """An algorithm's own stage between iterations (PPG: its auxiliary phase). The losses put in
+        the dict yielded go to a row of their own with time/<name> and, with `since`, time/<since>:
+        the seconds from the previous stage's end to this one's start; a console line shows both."""
+        stats = {}
+        start = time.time()
+        yield stats
+        seconds = {name: time.time() - start}
+        if since is not None:
+            seconds = {since: start - self.stage_end, **seconds}
+        self.last_cycle_seconds = time.time() - self.stage_end
+        self.logger.log({"global_step": global_step, "iteration": iteration, **stats,
+                         **{f"time/{key}": value for key, value in seconds.items()}})
+        timers = ", ".join(f"{key.replace('_', ' ')} {value:.1f}s" for key, value in seconds.items())
+        losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
+        print(f"{name.replace('_', ' ')}: {timers} | {losses}", flush=True)
+        self.stage_end = time.time()
+
+    @contextlib.contextmanager
+    def guard(self, envs, on_stop=None, failure_message=None, start_step=None):
         """Around the training loop: signals only ask to stop (see `catch_interrupt` and
         `end_iteration`); a non-finite gradient saves the weights before that step and exits with
         one line (`failure_message(error, path)` words it, where given); every exit closes the
         games, the log and the process group. `on_stop` ends threads of the algorithm's own
-        (IMPALA's actor) before any checkpoint is written and at the end."""
+        (IMPALA's actor) before any checkpoint is written and at the end. `start_step`: the steps
+        trained before this process started (a resumed run may have trained part of an iteration)."""
         self.interrupted = catch_interrupt()
         self.on_stop = on_stop
         self.start_time = time.time()
-        self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
+        self.stage_end = self.start_time
+        self.start_step = start_step
+        if start_step is None:
+            self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
         try:
             yield
         except FloatingPointError as error:  # raised before the step that would put a NaN in weights
@@ -815,14 +840,16 @@ class Run:
             name = signal.Signals(signum).name
             print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
             raise SystemExit(128 + signum)
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        finally:  # closing is short and bounded: a further signal must not cut it off half done
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.stop_threads()
             envs.close()
             self.logger.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def stop_threads(self):
         if self.on_stop is not None:
@@ -876,24 +903,37 @@ class Run:
             # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
             require(self.save(iteration) or iteration < self.num_iterations,
                     f"the final checkpoint could not be written (see above); {self.last_saved()}")
-        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
-        any_signal = all_reduce_mean(caught) > 0
-        if any_signal and may_stop:  # with nothing half done
-            signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
-            self.stop_threads()
-            name = signal.Signals(signum).name
-            if self.save(iteration):
-                print(f"interrupted by {name}: saved iteration {iteration} to "
-                      f"{self.run_dir}/checkpoint.pt; continue with --resume")
-            else:
-                print(f"interrupted by {name}: iteration {iteration} could not be saved; "
-                      f"{self.last_saved()}", flush=True)
-            raise SystemExit(128 + signum)
+        if self.signalled() and may_stop:  # every rank asks every iteration; nothing is half done
+            self.stop(iteration)
 
-    def save(self, iteration):
-        """checkpoint.pt for `iteration`; False (after one line) where the write failed."""
+    def signalled(self):
+        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
+        stop: one all-reduce of a scalar under torchrun, nothing (no host sync) in one process."""
+        if not dist.is_initialized():
+            return bool(self.interrupted)
+        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
+        return bool(all_reduce_mean(caught) > 0)
+
+    def stop(self, iteration, what=None, **extra):
+        """A signal's stop: the algorithm's threads first, then a checkpoint of `iteration` with the
+        kept state and `extra` (entries that replace or add to it), then exit with 128 + the signal's
+        number. `what` words what was saved (default "iteration N")."""
+        signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
+        name = signal.Signals(signum).name
+        if what is None:
+            what = f"iteration {iteration}"
+        self.stop_threads()
+        if self.save(iteration, **extra):
+            print(f"interrupted by {name}: saved {what} to {self.run_dir}/checkpoint.pt; continue with --resume")
+        else:
+            print(f"interrupted by {name}: {what} could not be saved; {self.last_saved()}", flush=True)
+        raise SystemExit(128 + signum)
+
+    def save(self, iteration, **extra):
+        """checkpoint.pt for `iteration` (`extra`: entries that replace or add to `checkpoint_state`'s);
+        False (after one line) where the write failed."""
         path = os.path.join(self.run_dir, "checkpoint.pt")
-        saved = save_checkpoint(path, **self.checkpoint_state(iteration))
+        saved = save_checkpoint(path, **{**self.checkpoint_state(iteration), **extra})
         if saved:
             self.saved = (iteration, path)
         return saved
@@ -1056,6 +1096,19 @@ def thread_split(args, device):
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
     return env_threads, torch_threads
+
+
+def available_memory(device):
+    """Bytes this rank may use on `device` without swapping: the GPU's free memory, or the host's
+    MemAvailable (Linux; elsewhere unknown: inf) shared by the ranks of one machine."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if "MemAvailable" in line:  # given in KiB
+                    return int(line.split()[1]) * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return float("inf")
 
 
 def catch_interrupt():

@@ -62,7 +62,7 @@ class Args:
     """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
     updates_per_iteration: int = 25
     """learner updates per iteration, the unit of logging, evaluation and checkpoints
-    (25 x 32 x 20 = 16,000 steps)"""
+    (25 x 32 x 20 = 16,000 steps); a signal stops after the current update, not the iteration"""
     max_policy_lag: int = 1
     """k: the actor waits before an unroll whose parameters would be more than k updates old when
     trained; 0 is synchronous, 1 lets acting and learning overlap with a lag of at most one update
@@ -492,7 +492,7 @@ class Actor:
 
     def run(self):
         try:
-            with on_stream(self.stream):
+            with on_stream(self.stream):  # on GPU, also this thread's device (see `on_stream`)
                 self.play()
         except BaseException as error:  # the learner re-raises it: the run stops with its message
             self.errors.append(error)
@@ -536,10 +536,11 @@ class Actor:
         raise self.errors[0]
 
     def stop(self):
-        """The actor finishes its unroll (or its wait for parameters) and returns."""
+        """The actor finishes its unroll (or its wait for parameters) and returns; then its stream's
+        work is waited for. Bounded and never raises (see `end_thread`): the games and the process
+        group are closed after it."""
         self.stopping.set()
-        if self.thread.ident is not None:  # started
-            self.thread.join()
+        end_thread(self.thread, self.stream)
 
 
 def train(args):
@@ -548,7 +549,8 @@ def train(args):
     device = run.device
     split_threads_between_actor_and_learner(args, device)
     # One update per unroll of all games: an iteration is updates_per_iteration unrolls.
-    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
+    steps_per_update = args.num_envs * args.unroll_length
+    steps_per_iteration = args.updates_per_iteration * steps_per_update
     num_iterations = run.count_iterations(steps_per_iteration)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
@@ -569,17 +571,16 @@ def train(args):
     actor = Actor(agent, envs, snapshots, args, device, first_version=version, seed=run.env_seed,
                   autocast=autocast)
     global_step = (run.start_iteration - 1) * steps_per_iteration
-    # A signal stops at an iteration's end, a non-finite gradient before its step; the actor first.
+    # A signal stops after the current update, a non-finite gradient before its step; the actor first.
     failure_message = functools.partial(nonfinite_update_message, run)  # counted in updates
     with run.guard(envs, on_stop=actor.stop, failure_message=failure_message):
         actor.start()
+        run.start_step = version * steps_per_update  # SPS over this run's steps (from mid-iteration)
         for iteration in range(run.start_iteration, num_iterations + 1):
             run.anneal_learning_rate(iteration)
-            lags = []
-            stats = []
-            episode_returns = []
-            episode_lengths = []
-            for _ in range(args.updates_per_iteration):
+            # The iteration's record: empty, or that of a run stopped inside it (going on from there).
+            lags, stats, episode_returns, episode_lengths = unfinished_iteration(run)
+            for update in range(len(stats), args.updates_per_iteration):
                 # 1. Take the next unroll the actor played.
                 with run.timer("wait"):
                     unroll = actor.next_unroll()
@@ -596,6 +597,11 @@ def train(args):
                 run.keep(reward_rms=unroll["reward_rms"], updates=version)  # what a checkpoint holds
                 run.times["actor_wait"] += unroll["actor_wait"]  # the actor waiting for parameters
                 run.times["actor_play"] += unroll["actor_play"]  # and playing this unroll
+                # A signal stops here, all ranks after the same update (after the last one: at the
+                # iteration's end, with its row).
+                if update < args.updates_per_iteration - 1 and signal_caught(run):
+                    record = (lags, stats, episode_returns, episode_lengths)
+                    stop_after_update(run, version * steps_per_update, record)
             global_step += steps_per_iteration
 
             # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
@@ -1311,10 +1317,39 @@ def wait_for(event, tensors):
 
 
 def on_stream(stream):
-    """Run the block on the actor's CUDA stream; on CPU (no stream) there is nothing to switch."""
+    """Run the block on the actor's CUDA stream; on CPU (no stream) there is nothing to switch. The
+    thread's current device becomes the stream's first: a new thread starts on GPU 0, and
+    torch.cuda.stream saves the stream current on entry and restores it on exit, so without
+    set_device a torchrun rank on GPU 3 would create a context on GPU 0 and leave its actor there
+    (where its errors land unread)."""
     if stream is None:
         return contextlib.nullcontext()
+    torch.cuda.set_device(stream.device)
     return torch.cuda.stream(stream)
+
+
+def end_thread(thread, stream, timeout=10.0):
+    """Wait for the actor's thread to return (it was told to stop: at most the rest of an unroll),
+    then for the work it queued on its CUDA stream, before the caller closes the games and the
+    process group and the learner's tensors are freed. Called from `Run.guard`'s `finally`, so it
+    returns within about `timeout` seconds and never raises: a plain join would raise a Ctrl-C that
+    arrives while it waits (a third signal) out of that `finally`, past the closing. Such a Ctrl-C
+    is ignored until the thread has returned or the time is up: closing the games while the actor
+    still steps them could crash the process before the process group is closed."""
+    deadline = time.time() + timeout
+    waiting = True
+    while waiting:
+        try:
+            while thread.is_alive() and time.time() < deadline:
+                thread.join(timeout=0.1)
+            if stream is not None and not thread.is_alive():
+                stream.synchronize()
+            waiting = False
+        except KeyboardInterrupt:
+            pass
+    if thread.is_alive():
+        print(f"warning: the actor thread did not stop within {timeout:g} s; closing the games anyway",
+              file=sys.stderr, flush=True)
 
 
 def actor_learner_threads(args, device):
@@ -1357,6 +1392,56 @@ def policy_lag_columns(lags, max_policy_lag):
                **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)}}
     note = f" | lag {columns['policy_lag/mean']:.2f} (max {columns['policy_lag/max']})"
     return columns, note
+
+
+def signal_caught(run):
+    """Whether any rank caught a signal. Every rank asks after the same update, so all agree where to
+    stop: one all-reduce of a scalar under torchrun (next to the gradients' one), nothing in one
+    process (no collective, no host sync)."""
+    if not dist.is_initialized():
+        return bool(run.interrupted)
+    caught = torch.tensor(float(bool(run.interrupted)), device=run.device)
+    return bool(all_reduce_mean(caught) > 0)
+
+
+def stop_after_update(run, global_step, record):
+    """A signal's stop inside an iteration, `Run.end_iteration`'s stop between two updates: the actor
+    first, then a checkpoint of the iterations logged so far, of the updates trained since (the kept
+    `updates`; its `global_step` counts their steps) and of every rank's `record` of them (lags,
+    statistics, episodes: `unfinished_iteration` gives them back), then exit with 128 + the
+    signal's number."""
+    signum = run.interrupted[0] if run.interrupted else signal.SIGTERM
+    name = signal.Signals(signum).name
+    run.stop_threads()
+    lags, stats, episode_returns, episode_lengths = record
+    mine = {"lags": lags, "stats": [{key: float(value) for key, value in update.items()} for update in stats],
+            "episode_returns": episode_returns, "episode_lengths": episode_lengths}
+    state = run.checkpoint_state(run.completed)
+    state.update(global_step=global_step, unfinished=gather([mine]))  # every rank's, for its resumed self
+    path = os.path.join(run.run_dir, "checkpoint.pt")
+    saved = (f"iteration {run.completed} and {len(stats)} of iteration {run.completed + 1}'s "
+             f"{run.args.updates_per_iteration} updates")
+    if save_checkpoint(path, **state) is False:  # a failed write (save_checkpoint said why, in one line)
+        print(f"interrupted by {name}: {saved} could not be saved", flush=True)
+    else:
+        print(f"interrupted by {name}: saved {saved} to {path}; continue with --resume", flush=True)
+    raise SystemExit(128 + signum)
+
+
+def unfinished_iteration(run):
+    """The record of the iteration about to run, so far: empty, or first after resuming a run that
+    stopped inside it (`stop_after_update`) this rank's lags, update statistics and episodes of the
+    updates done then, so that the iteration's row covers all of its updates. Returns (lags, stats,
+    episode_returns, episode_lengths)."""
+    unfinished = None
+    if run.checkpoint is not None:
+        unfinished = run.checkpoint.pop("unfinished", None)  # taken once: later iterations start empty
+    if unfinished is None:
+        return [], [], [], []
+    mine = unfinished[run.rank]
+    stats = [{key: torch.tensor(value, device=run.device) for key, value in update.items()}
+             for update in mine["stats"]]
+    return mine["lags"], stats, mine["episode_returns"], mine["episode_lengths"]
 
 
 def nonfinite_update_message(run, error, path):

@@ -372,7 +372,7 @@ def test_deterministic_lag_gives_identical_runs(cue_env, in_tmp):
 
 @pytest.mark.parametrize("where", ["actor", "learner", "second_ctrl_c", "nonfinite"])
 def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatch):
-    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes the iteration and saves a
+    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes that update and saves a
     checkpoint whose reward normalizer is the one after the last unroll trained on (while the actor is already
     playing further); a second Ctrl-C stops at once; a non-finite loss saves the weights from before that step with
     their update count; none of them leaves a thread behind or hangs."""
@@ -393,7 +393,7 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
         calls.append(1)
         if len(calls) == 13:  # in iteration 2, after iteration 1 was logged
             if where == "learner":
-                os.kill(os.getpid(), signal.SIGINT)  # a real first Ctrl-C: the iteration finishes, then it stops
+                os.kill(os.getpid(), signal.SIGINT)  # a real first Ctrl-C: the update finishes, then it stops
             else:
                 raise KeyboardInterrupt  # what the second Ctrl-C raises
         return vtrace_backward(*arguments)
@@ -426,7 +426,8 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
     (path,) = glob.glob("runs/*/checkpoint*.pt")
     saved = load_saved(path)
     if where == "learner":
-        assert saved["iteration"] == 2 and saved["updates"] == 20 and saved["global_step"] == 2 * 1280
+        # update 13 is the 3rd of iteration 2: the checkpoint holds iteration 1 and those 3 updates
+        assert saved["iteration"] == 1 and saved["updates"] == 13 and saved["global_step"] == 13 * 128
     else:
         assert saved["iteration"] == 1 and saved["updates"] == 12 and len(weights_before) == 13
         for key, value in saved["agent"].items():
@@ -438,37 +439,101 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
     assert all(type(value) is float for value in rank_state["reward_rms"])
 
 
+def test_sigterm_stops_after_the_current_update_and_resume_finishes_the_run(cue_env, in_tmp, monkeypatch):
+    """A real SIGTERM during update 13 (the 3rd of iteration 2): that update finishes, no other starts, the checkpoint
+    holds iteration 1 and the 3 updates since (global_step: the steps trained; their lags, losses and episodes), and
+    the run exits 143. --resume does the 7 updates left of iteration 2 and the rest: every iteration logged once and
+    whole, the same total steps and updates."""
+    cue_env(vtrace)
+    calls = []
+    vtrace_backward = vtrace.vtrace_backward
+
+    def signalled_learner(*arguments):
+        calls.append(1)
+        if len(calls) == 13:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return vtrace_backward(*arguments)
+
+    monkeypatch.setattr(vtrace, "vtrace_backward", signalled_learner)
+    args = cue_args(save_model=True, save_every=100)
+    with pytest.raises(SystemExit, match="143"):
+        vtrace.train(args)
+    assert len(calls) == 13 and not actor_threads()
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    saved = load_saved(path)
+    assert saved["iteration"] == 1 and saved["updates"] == 13 and saved["global_step"] == 13 * 128
+    assert saved["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 13 * 128, abs=1e-9)
+    (unfinished,) = saved["unfinished"]  # one rank's record of iteration 2 so far
+    assert len(unfinished["lags"]) == len(unfinished["stats"]) == 3 and len(unfinished["episode_returns"]) == 48
+    run_dir = vtrace.train(vtrace.Args(resume=path))
+    assert len(calls) == 80 and not actor_threads()  # 67 updates more: none repeated, none skipped
+    iterations = [r for r in read_rows(run_dir) if "losses/policy_loss" in r]
+    assert [r["iteration"] for r in iterations] == list(range(1, 9))
+    assert [r["global_step"] for r in iterations] == [1280 * i for i in range(1, 9)]
+    # The resumed iteration 2's row covers all its updates: the 3 before the stop (kept in the checkpoint) and 7 after.
+    assert [sum(r[f"policy_lag/count_{k}"] for k in range(2)) for r in iterations] == [10] * 8
+    assert [r["charts/episodes"] for r in iterations] == [160] * 8  # 16 games x 8-step episodes, one per update
+    resumed = load_saved(path)
+    assert resumed["iteration"] == 8 and resumed["updates"] == 80 and resumed["global_step"] == 10240
+    assert resumed["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 10240, abs=1e-9)
+
+
+def test_actor_stop_is_bounded_and_a_ctrl_c_during_it_does_not_escape(capsys):
+    """`end_thread`, the actor's stop in Run.guard's finally: a Ctrl-C while it waits (a third signal) neither
+    escapes nor cuts the wait short (the games are closed after it); a thread that never returns is given up after
+    the timeout, with one line."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        slow = threading.Thread(target=time.sleep, args=(1.0,))
+        slow.start()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.time()
+        vtrace.end_thread(slow, None, timeout=20)
+        assert not slow.is_alive() and time.time() - start < 5
+        stuck = threading.Event()
+        never = threading.Thread(target=stuck.wait, daemon=True)
+        never.start()
+        start = time.time()
+        vtrace.end_thread(never, None, timeout=0.5)
+        assert 0.4 < time.time() - start < 3 and never.is_alive()
+        assert "warning: the actor thread did not stop within 0.5 s" in capsys.readouterr().err
+        stuck.set()
+        vtrace.end_thread(threading.Thread(target=None), None)  # never started: returns at once
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_script(*flags, timeout=120):
     return subprocess.run([sys.executable, os.path.join(ROOT, "vtrace.py"), *flags], capture_output=True, text=True,
                           timeout=timeout)
 
 
-TINY = ["--env-id", "starpilot", "--num-envs", "4", "--unroll-length", "8", "--updates-per-iteration", "2",
+TINY = ["--env-id", "starpilot", "--num-envs", "4", "--unroll-length", "8", "--updates-per-iteration", "25",
         "--max-policy-lag", "3", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
 
 
 def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
-    """Real Procgen: metrics and checkpoints; Ctrl-C exits at once and saves; --resume finishes the same total;
-    --eval-only loads and films."""
-    total = 64 * 60  # 60 iterations of 2 updates x 4 unrolls x 8 steps
+    """Real Procgen: metrics and checkpoints; SIGTERM stops after the current update (25 in an iteration), within
+    seconds, and saves; --resume finishes the same total; --eval-only loads and films."""
+    total = 800 * 6  # 6 iterations of 25 updates x 4 unrolls x 8 steps
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "vtrace.py"), *TINY, "--total-timesteps",
                                 str(total), "--save-model", "--save-every", "1"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while not glob.glob("runs/*/checkpoint.pt"):
         assert time.time() < deadline and process.poll() is None
-        time.sleep(0.2)
-    time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    interrupted = time.time()
+        time.sleep(0.05)
+    time.sleep(0.2)  # into iteration 2
+    process.send_signal(signal.SIGTERM)
+    signalled = time.time()
     output = process.communicate(timeout=30)[0]
-    assert time.time() - interrupted < 10  # the process (and with it the actor thread) is gone
-    assert process.returncode == 130 and "interrupted by SIGINT: saved iteration" in output, output
+    assert time.time() - signalled < 10  # the process (and with it the actor thread) is gone
+    assert process.returncode == 143 and "interrupted by SIGTERM: saved iteration" in output, output
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
     saved = load_saved(path)
-    assert 1 <= saved["iteration"] < 60 and saved["global_step"] == saved["iteration"] * 64
-    assert saved["updates"] == 2 * saved["iteration"]
+    assert 1 <= saved["iteration"] < 6 and saved["iteration"] == saved["updates"] // 25
+    assert saved["global_step"] == saved["updates"] * 32  # the steps trained, a part of an iteration included
     assert set(saved) >= {"agent", "optimizer", "ranks", "args", "global_step", "iteration", "updates"}
     assert saved["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + saved["global_step"], abs=1e-9)
 
@@ -477,18 +542,18 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert f"resuming {run} at iteration {saved['iteration'] + 1}" in result.stdout
     rows = read_rows(os.path.join("runs", run))
     iterations = [r for r in rows if "losses/policy_loss" in r]
-    assert [r["iteration"] for r in iterations] == list(range(1, 61))  # every iteration exactly once
+    assert [r["iteration"] for r in iterations] == list(range(1, 7))  # every iteration exactly once
     assert iterations[-1]["global_step"] == total
     assert all(set(r) == ITERATION_KEYS | lag_keys(3) for r in iterations)
     assert all(r["policy_lag/max"] <= 3 for r in iterations)
     assert set(rows[-1]) == EVAL_KEYS and rows[-1]["global_step"] == total
     resumed = load_saved(path)
-    assert resumed["iteration"] == 60 and resumed["updates"] == 120
+    assert resumed["iteration"] == 6 and resumed["updates"] == 150
     assert resumed["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + total, abs=1e-9)  # carried over, continued
 
     result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video")
     assert result.returncode == 0, result.stderr
-    assert "eval @ 3,840 steps: return" in result.stdout and "over 3 episodes" in result.stdout
+    assert "eval @ 4,800 steps: return" in result.stdout and "over 3 episodes" in result.stdout
     (video,) = glob.glob("runs/*/videos/*.mp4")
     assert os.path.getsize(video) > 1000
 
@@ -501,6 +566,136 @@ def test_actor_and_learner_on_cuda_streams(cue_env, in_tmp):
     iterations = [r for r in rows if "losses/policy_loss" in r]
     assert len(iterations) == 2 and all(np.isfinite(r["losses/policy_loss"]) for r in iterations)
     assert iterations[0]["perf/gpu_memory_gb"] > 0 and not actor_threads()
+
+
+# The CUDA hand-overs with their race windows widened: torch.cuda._sleep keeps one stream busy (~0.1 s at ~2 GHz)
+# while the other goes on, so a missing wait_event (the consumer reads before the producer wrote) or record_stream
+# (the allocator hands a tensor's memory to the producer again while the consumer's reads are still queued) shows as
+# wrong values, not as a rare flake.
+SLEEP_CYCLES = 200_000_000
+
+
+def snapshot_values(network):
+    return [parameter.detach().clone() for parameter in network.parameters()]
+
+
+def filled(network, value):
+    with torch.no_grad():
+        for parameter in network.parameters():
+            parameter.fill_(value)
+    return network
+
+
+@CUDA
+def test_cuda_snapshot_hand_over_waits_for_the_learners_copies():
+    """publish() copies the parameters on the learner's stream while it is still busy; the actor's stream must wait
+    for those copies (wait_event) before it loads them."""
+    device = torch.device("cuda")
+    learner = filled(nn.Linear(256, 256).to(device), 7.25)
+    actor_network = filled(nn.Linear(256, 256).to(device), 0.0)
+    snapshots = vtrace.PolicySnapshots(keep=1)
+    actor_stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the learner's stream: the copies below run ~0.1 s from now
+    snapshots.publish(1, learner.parameters(), device)
+    with torch.cuda.stream(actor_stream):
+        assert snapshots.load_into(actor_network, 1, True, threading.Event()) == 1
+        loaded = snapshot_values(actor_network)
+    torch.cuda.synchronize()
+    assert all(torch.equal(value, torch.full_like(value, 7.25)) for value in loaded)
+
+
+@CUDA
+def test_cuda_snapshot_memory_is_not_reused_while_the_actor_copies():
+    """The actor's stream is busy when it queues its copy of version 1; the learner then publishes versions 2 and 3,
+    which drops version 1 on the host. record_stream keeps version 1's memory from version 3's copies until the
+    actor's stream has read it."""
+    device = torch.device("cuda")
+    learner = filled(nn.Linear(256, 256).to(device), 1.0)
+    actor_network = filled(nn.Linear(256, 256).to(device), 0.0)
+    snapshots = vtrace.PolicySnapshots(keep=1)
+    actor_stream = torch.cuda.Stream(device)
+    snapshots.publish(1, learner.parameters(), device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(actor_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the actor's copy of version 1 runs ~0.1 s from now
+        assert snapshots.load_into(actor_network, 1, True, threading.Event()) == 1
+    for version in (2, 3):  # on the idle learner's stream: these copies run at once
+        snapshots.publish(version, filled(learner, float(version)).parameters(), device)
+    torch.cuda.synchronize()
+    assert sorted(snapshots.versions) == [3]
+    assert all(torch.equal(value, torch.ones_like(value)) for value in snapshot_values(actor_network))
+
+
+def cuda_actor():
+    """An Actor on the GPU that is never started: its stream and its queue, for the unroll hand-over."""
+    device = torch.device("cuda")
+    return vtrace.Actor(nn.Linear(2, 2).to(device), None, vtrace.PolicySnapshots(keep=1), cue_args(), device,
+                        first_version=0, seed=0, autocast=contextlib.nullcontext)
+
+
+def hand_over_unroll(actor, busy):
+    """The actor's end of the queue as `Actor.play` uses it: tensors written on its stream (after a sleep if `busy`),
+    the event after them, the unroll into the queue, no reference kept. Returns what each tensor holds."""
+    values = {key: float(index + 1) for index, key in enumerate(vtrace.UNROLL_TENSORS)}
+    with torch.cuda.stream(actor.stream):
+        if busy:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        unroll = {key: torch.full((21, 32, 64), value, device=actor.device) for key, value in values.items()}
+        unroll["ready"] = vtrace.stream_event(actor.device)
+    actor.unrolls.put(unroll)
+    return values
+
+
+@CUDA
+def test_cuda_unroll_hand_over_waits_for_the_actors_stream():
+    """The learner's stream must wait for the actor's (wait_event) before it reads an unroll the actor's stream is
+    still writing."""
+    actor = cuda_actor()
+    values = hand_over_unroll(actor, busy=True)
+    unroll = actor.next_unroll()  # on the learner's (default) stream
+    read = {key: unroll[key].clone() for key in values}
+    torch.cuda.synchronize()
+    assert all(torch.equal(read[key], torch.full_like(read[key], value)) for key, value in values.items())
+
+
+@CUDA
+def test_cuda_unroll_memory_is_not_reused_while_the_learner_reads():
+    """The learner's stream is busy when it queues its reads of an unroll and then drops the unroll; the actor's next
+    tensors (same sizes, its stream idle) must not get that memory before the reads ran (record_stream)."""
+    actor = cuda_actor()
+    values = hand_over_unroll(actor, busy=False)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the learner's stream: its reads run ~0.1 s from now
+    unroll = actor.next_unroll()
+    read = {key: unroll[key].clone() for key in values}
+    del unroll  # the learner is done with it (on the host)
+    with torch.cuda.stream(actor.stream):  # the actor plays on into fresh tensors, at once
+        played_on = [torch.full((21, 32, 64), -1.0, device=actor.device) for _ in values]
+    torch.cuda.synchronize()
+    assert all(torch.equal(read[key], torch.full_like(read[key], value)) for key, value in values.items())
+    assert all(bool((tensor == -1).all()) for tensor in played_on)
+
+
+@CUDA
+def test_cuda_actor_thread_keeps_its_device_and_its_stream_is_waited_for():
+    """The actor's thread sets its device before it enters its stream (a new thread starts on GPU 0; under torchrun
+    a rank's actor would switch there on leaving the stream), and `end_thread` waits for the work it queued."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    stream = torch.cuda.Stream(device)
+    devices = []
+
+    def actor():
+        with vtrace.on_stream(stream):
+            devices.append(torch.cuda.current_device())
+            torch.cuda._sleep(SLEEP_CYCLES)  # still queued when the thread returns
+        devices.append(torch.cuda.current_device())
+
+    thread = threading.Thread(target=actor)
+    thread.start()
+    vtrace.end_thread(thread, stream)
+    assert not thread.is_alive() and stream.query()  # the stream's sleep is over when end_thread returns
+    assert devices == [device.index, device.index]
 
 
 @pytest.mark.parametrize("flags,message", [
