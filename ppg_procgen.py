@@ -1,13 +1,15 @@
-"""Phasic Policy Gradient on Procgen (Cobbe et al. 2021, arXiv 2009.04416): PPO's policy and value losses train
-separate networks in a policy phase of N_pi iterations; then an auxiliary phase distils value targets into the policy
-network (auxiliary value head) while a KL term (behavioural cloning) keeps the policy where the policy phase left it.
+"""Phasic Policy Gradient on Procgen (Cobbe et al. 2021, arXiv 2009.04416): a policy phase of N_pi
+PPO iterations trains separate policy and value networks; then an auxiliary phase distils value
+targets into the policy network while a KL term keeps the policy in place (diff it with PPO's).
 
 Run:  python ppg_procgen.py --env-id starpilot          (all flags: python ppg_procgen.py --help)
-Read first: `diff ppo_procgen.py ppg_procgen.py` (PPG and nothing else), then `auxiliary_phase`.
-"""
+Read top to bottom: the environment, the network, the algorithm's pieces, then `train`, the story;
+the appendix below `train` is plumbing (evaluation, torchrun, logging, checkpoints, signals, flag
+checks). """
 import collections
 import contextlib
 import datetime
+import functools
 import io
 import json
 import math
@@ -24,9 +26,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so imported
-# later (torch.optim imports it on first use) it would keep the group and gloo's threads alive past
-# destroy_process_group, and such a thread can abort the process as it exits.
+# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so
+# imported later (torch.optim imports it on first use) it would keep the group and gloo's threads
+# alive past destroy_process_group, and such a thread can abort the process as it exits.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -37,30 +39,6 @@ from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisode
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run name)"""
-    seed: int = 1
-    """seed of python, numpy, torch and procgen's level generator: the same seed gives the same run on CPU"""
-    torch_deterministic: bool = True
-    """make cuDNN pick deterministic algorithms"""
-    cuda: bool = True
-    """use the GPU when one is available"""
-    total_timesteps: int = 25_000_000
-    """environment steps of the whole run (rounded down to whole iterations of num_envs * num_steps)"""
-    # Environment
-    env_id: str = "starpilot"
-    """the Procgen game, one of the 16 in PROCGEN_RANGES"""
-    distribution_mode: Literal["easy", "hard", "extreme", "memory", "exploration"] = "easy"
-    """Procgen difficulty (the CleanRL and train-procgen 25M-step results use easy)"""
-    num_levels: int = 0
-    """number of training levels; 0 trains on the full distribution (unlimited levels)"""
-    start_level: int = 0
-    """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
-    num_envs: int = 64
-    """parallel game instances (one procgen vector env)"""
-    env_threads: int = 0
-    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_split`)"""
     # Algorithm
     num_steps: int = 256
     """steps per env in each rollout"""
@@ -75,25 +53,19 @@ class Args:
     num_minibatches: int = 8
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
-    """N_pi: policy iterations per phase (each a rollout and its update) before an auxiliary phase"""
+    """N_pi: policy iterations (each a rollout and its update) per phase, before an auxiliary one"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
     e_v: int = 1
     """E_V: epochs of the value loss over each rollout"""
     e_aux: int = 6
-    """E_aux: epochs of the auxiliary phase over its buffer, the phase's N_pi x num_envs rollouts (0: no phase, no
-    buffer)"""
+    """E_aux: epochs of each auxiliary phase over its N_pi x num_envs rollouts (0: no phase)"""
     beta_clone: float = 1.0
-    """beta_clone: weight of KL(pi_old || pi) that keeps the policy in place during the auxiliary phase"""
+    """beta_clone: weight of KL(pi_old || pi), which holds the policy still in an auxiliary phase"""
     num_aux_rollouts: Optional[int] = None
-    """whole rollouts (of num_steps frames) per auxiliary minibatch, over all ranks; None: 4 for every 64 games of a
-    rank (the PPG code's 4 rollouts per worker of 64 games: 4 here at the defaults, 16 for the paper's 4 x 64)"""
-    n_aux_grad_accum: int = 1
-    """split each auxiliary minibatch into this many chunks, accumulating gradients (for small GPUs)"""
+    """whole rollouts per auxiliary minibatch, all ranks; None: the PPG code's 4 per 64 games"""
     arch: Literal["dual", "detach"] = "dual"
-    """'dual': separate policy and value networks (the paper); 'detach': one trunk, value head on detached features"""
-    aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
-    """where the auxiliary buffer lives: GPU when it fits ('auto'), else pinned host memory"""
+    """'dual': separate policy and value networks (the paper); 'detach': one trunk (see `Agent`)"""
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
@@ -101,25 +73,23 @@ class Args:
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
-    """clip the value loss around the rollout's values (baselines PPO); PPG's L_value is unclipped, as in its code"""
+    """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is not)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = float("inf")
-    """gradient-norm clip of each network on its own (policy, value); the PPG code does not clip (inf); CleanRL's
-    PPG clips both networks together at 0.5, which lets the value gradient shrink the policy's step"""
+    """gradient-norm clip of each network on its own; PPG code: none (inf); CleanRL's PPG: 0.5"""
     target_kl: Optional[float] = None
-    """clip: stop the update after an epoch whose mean approximate KL (so far) exceeds this (None: never);
-    kl-penalty: d_targ, the KL that beta is adapted towards (the PPO paper's best: 0.01)"""
+    """clip: stop the update after an epoch whose mean approximate KL (so far) exceeds this (None:
+    never); kl-penalty: d_targ, the KL that beta is adapted towards (the PPO paper's best: 0.01)"""
     kl_beta: Optional[float] = None
-    """kl-penalty's beta: None starts at 1 and, after each update, halves it when KL < d_targ / 1.5 and doubles it
-    when KL > 1.5 d_targ (PPO paper, section 4); a number keeps beta fixed"""
+    """kl-penalty's beta: None starts at 1 and, after each update, halves it when KL < d_targ / 1.5
+    and doubles it when KL > 1.5 d_targ (PPO paper, section 4); a number keeps beta fixed"""
     adam_eps: float = 1e-8
-    """Adam epsilon (the PPG code and CleanRL's PPG: PyTorch's default 1e-8; baselines PPO uses 1e-5)"""
+    """Adam epsilon (the PPG code and CleanRL's PPG: PyTorch's default; baselines PPO uses 1e-5)"""
     reward_norm_gamma: float = 0.99
-    """discount of the running return whose std divides the rewards (the PPG code's reward_normalizer.py: 0.99;
-    CleanRL uses the agent's gamma, 0.999)"""
+    """discount of the running return whose std divides the rewards (PPG code; CleanRL: 0.999)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -128,6 +98,28 @@ class Args:
     """width of the dense layer after the convolutions"""
     init: Literal["default", "normed"] = "normed"
     """weight init: PyTorch default + orthogonal heads (CleanRL PPO) or the PPG code's per-unit normed init"""
+    # Environment
+    env_id: str = "starpilot"
+    """the Procgen game, one of the 16 in PROCGEN_RANGES"""
+    distribution_mode: Literal["easy", "hard", "extreme", "memory", "exploration"] = "easy"
+    """Procgen difficulty (the CleanRL and train-procgen 25M-step results use easy)"""
+    num_levels: int = 0
+    """number of training levels; 0 trains on the full distribution (unlimited levels)"""
+    start_level: int = 0
+    """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
+    num_envs: int = 64
+    """parallel game instances (one procgen vector env)"""
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, numpy, torch and procgen's level generator: the same seed gives the same run on CPU"""
+    torch_deterministic: bool = True
+    """make cuDNN pick deterministic algorithms"""
+    cuda: bool = True
+    """use the GPU when one is available"""
+    total_timesteps: int = 25_000_000
+    """environment steps of the whole run (rounded down to whole iterations of num_envs * num_steps)"""
     # Evaluation, logging, checkpoints
     eval_every: int = 100
     """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
@@ -154,6 +146,8 @@ class Args:
     checkpoint: Optional[str] = None
     """checkpoint to evaluate with --eval-only"""
     # Speed
+    env_threads: int = 0
+    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_split`)"""
     torch_threads: int = 0
     """torch CPU threads; 0 picks a value from the machine's cores (see `thread_split`)"""
     channels_last: bool = True
@@ -161,83 +155,17 @@ class Args:
     compile: bool = False
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes, on CUDA or the CPU (the losses stay float32). Off, as in the papers:
-    CleanRL's PPG notes find mixed precision unstable in the policy phase; PPO 1.6-1.8x faster on a 2-core CPU with
-    AVX512-BF16 (README, Speed)"""
-
-
-# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or logging only.
-RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
-                 "wandb_project", "wandb_entity", "wandb_mode")
-
-# (R_min, R_max) per game for the normalized score, easy and hard: train-procgen's constants.py.
-PROCGEN_RANGES = {
-    "bigfish": {"easy": (1, 40), "hard": (0, 40)}, "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
-    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)}, "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
-    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)}, "coinrun": {"easy": (5, 10), "hard": (5, 10)},
-    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)}, "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
-    "heist": {"easy": (3.5, 10), "hard": (2, 10)}, "jumper": {"easy": (1, 10), "hard": (1, 10)},
-    "leaper": {"easy": (1.5, 10), "hard": (1.5, 10)}, "maze": {"easy": (5, 10), "hard": (4, 10)},
-    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)}, "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
-    "plunder": {"easy": (4.5, 30), "hard": (3, 30)}, "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
-}
-
-
-def normalized_score(env_id, distribution_mode, episodic_return):
-    """(R - R_min) / (R_max - R_min); None for modes without published ranges."""
-    if distribution_mode not in PROCGEN_RANGES[env_id]:
-        return None
-    low, high = PROCGEN_RANGES[env_id][distribution_mode]
-    return (episodic_return - low) / (high - low)
-
-
-class ProcgenVecEnv(gym.vector.VectorEnv):
-    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers work on it.
-
-    Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that episode's last reward
-    and the *first* frame of the next episode (gym3's `first` flag). Procgen has no time-limit signal, so
-    truncated is always False: time-outs count as terminations. `reset(seed=s)` builds fresh games whose levels
-    and dynamics are fully determined by s (procgen's `rand_seed`).
-    """
-
-    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
-
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
-        if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
-            raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
-            from procgen import ProcgenGym3Env
-        self._make = lambda seed: ProcgenGym3Env(
-            num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
-            start_level=start_level, rand_seed=seed, num_threads=num_threads)
-        self.num_envs = num_envs
-        self.env = None  # made at reset, seeded then
-        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
-        self.single_action_space = gym.spaces.Discrete(15)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
-        if self.env is not None:
-            self.env.close()
-        self.env = self._make(int(self.np_random.integers(2**31 - 1)) if seed is None else seed)
-        _, obs, _ = self.env.observe()
-        return obs["rgb"], {}
-
-    def step(self, actions):
-        self.env.act(np.asarray(actions, dtype=np.int32))
-        reward, obs, first = self.env.observe()
-        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
-
-    def close_extras(self, **kwargs):
-        if self.env is not None:
-            self.env.close()
+    """bfloat16 autocast of the forward passes (losses stay float32); off: unstable in CleanRL's PPG"""
+    aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
+    """where the auxiliary buffer lives: on the GPU when it fits ('auto'), else pinned host RAM"""
+    n_aux_grad_accum: int = 1
+    """split each auxiliary minibatch into this many chunks, accumulating gradients (small GPUs)"""
 
 
 def make_env(args, num_envs):
-    """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by the std of a
-    running discounted return (discount --reward-norm-gamma) and clipped, as in the Procgen baselines."""
+    """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
+    the std of a running discounted return (discount --reward-norm-gamma) and clipped, as in the
+    Procgen baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
@@ -267,14 +195,15 @@ class ResidualBlock(nn.Module):
 
 
 class ImpalaCNN(nn.Module):
-    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a stride-2 max-pool
-    and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as the env returns them."""
+    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a
+    stride-2 max-pool and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as
+    the env returns them."""
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
         self.channels_last = channels_last
-        # The PPG code's normed scale for residual convs: each of the len(channels) stacks adds 1/len(channels) of the
-        # variance, split over its 2 blocks; a block's two convs share that: sqrt(1/sqrt(stacks)/sqrt(2)) per conv.
+        # The PPG code's normed residual scale: the stacks share the variance, each over 2 blocks
+        # of two convs: sqrt(1/sqrt(len(channels))/sqrt(2)) per conv.
         residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
         layers = []
         in_channels = 3
@@ -309,9 +238,9 @@ def make_head(in_features, out_features, std, init):
 
 
 class Agent(nn.Module):
-    """PPG's networks. 'dual': a policy network theta_pi (trunk, policy and auxiliary value heads) and a value network
-    theta_V, so value training cannot reshape the policy's features. 'detach': one trunk; the value head reads
-    detached features (the PPG code's single-network variant)."""
+    """PPG's networks. 'dual': a policy network theta_pi (trunk, policy and auxiliary value heads)
+    and a value network theta_V, so value training cannot reshape the policy's features. 'detach':
+    one trunk; the value head reads detached features (the PPG code's single-network variant)."""
 
     def __init__(self, args, num_actions):
         super().__init__()
@@ -319,20 +248,21 @@ class Agent(nn.Module):
         self.actor = make_head(args.hidden_size, num_actions, 0.01, args.init)
         self.critic = make_head(args.hidden_size, 1, 1.0, args.init)
         self.aux_critic = make_head(args.hidden_size, 1, 1.0, args.init)
-        self.value_trunk = ImpalaCNN(args.channels, args.hidden_size, args.init, args.channels_last) \
-            if args.arch == "dual" else None
+        self.value_trunk = None
+        if args.arch == "dual":
+            self.value_trunk = ImpalaCNN(args.channels, args.hidden_size, args.init, args.channels_last)
+
+    def forward(self, obs):
+        logits, value, _ = self.forward_aux(obs)
+        return logits, value
 
     def forward_aux(self, obs):
         hidden = self.trunk(obs)
         value_hidden = self.value_trunk(obs) if self.value_trunk is not None else hidden.detach()
         return self.actor(hidden), self.critic(value_hidden).squeeze(-1), self.aux_critic(hidden).squeeze(-1)
 
-    def forward(self, obs):
-        logits, value, _ = self.forward_aux(obs)
-        return logits, value
-
     def networks(self):
-        """Two parameter groups, theta_pi and theta_V, for the optimizers: gradient clipping treats them apart."""
+        """theta_pi and theta_V as two parameter groups: gradient clipping treats them apart."""
         value_params = [*self.critic.parameters(), *(self.value_trunk.parameters() if self.value_trunk else [])]
         value_ids = {id(param) for param in value_params}
         return [{"params": [param for param in self.parameters() if id(param) not in value_ids]},
@@ -341,8 +271,8 @@ class Agent(nn.Module):
 
 def sample_action(logits, generator=None):
     """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation. A thread that must not share torch's global RNG passes its own
-    `generator` (on the logits' device)."""
+    torch.distributions' argument validation. A thread that must not share torch's global RNG passes
+    its own `generator` (on the logits' device)."""
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
@@ -356,8 +286,8 @@ def log_prob_entropy(logits, actions):
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
     """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors.
 
-    dones[t] = 1 means obs[t] is the first frame of a new episode, so step t-1 was an episode's last step:
-    its TD error must not look past it. The rollout's last step bootstraps from V(next_obs).
+    dones[t] = 1 means obs[t] is the first frame of a new episode, so step t-1 was an episode's last
+    step: its TD error must not look past it. The rollout's last step bootstraps from V(next_obs).
       delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_{t+1}) - V(s_t)
       A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}
     """
@@ -379,8 +309,9 @@ def categorical_kl(old_logits, logits):
 
 
 def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
-    """PPO's surrogate objective on one minibatch, negated to be minimized; ratio r = pi(a|s) / pi_old(a|s) and kl the
-    per-state KL(pi_old || pi). Both keep the new policy near pi_old, the policy that collected the data:
+    """PPO's surrogate objective on one minibatch, negated to be minimized; ratio r = pi(a|s) /
+    pi_old(a|s) and kl the per-state KL(pi_old || pi). Both keep the new policy near pi_old, the
+    policy that collected the data:
       'clip'       (PPO Eq. 7): L = E[min(r A, clip(r, 1 - eps, 1 + eps) A)]
       'kl-penalty' (PPO Eq. 8): L = E[r A - beta KL(pi_old(.|s) || pi(.|s))]"""
     if kind == "kl-penalty":
@@ -389,8 +320,9 @@ def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
 
 
 def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
-    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value may not move more
-    than clip_coef from its rollout value: the larger of the clipped and the unclipped squared error counts."""
+    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value may
+    not move more than clip_coef from its rollout value: the larger of the clipped and the unclipped
+    squared error counts."""
     squared_error = (new_value - returns) ** 2
     if clip_vloss:
         clipped_value = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
@@ -407,16 +339,11 @@ def adapt_kl_beta(kl_beta, kl, target_kl):
     return kl_beta
 
 
-def clip_grad_norms(optimizer, max_grad_norm):
-    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one group; PPG: one per
-    network, so that the value network's gradient cannot shrink the policy's step). Returns the norms before."""
-    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
-
-
 def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
-    """PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and the value loss for
-    `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V). Returns mean statistics; "kl" is the
-    exact KL(pi_old || pi) averaged over the last epoch's minibatches (measured before each step)."""
+    """PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and
+    the value loss for `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V).
+    Returns mean statistics; "kl" is the exact KL(pi_old || pi) averaged over the last epoch's
+    minibatches (measured before each step)."""
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -424,198 +351,657 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
         mean, std = global_moments(advantages)
         advantages = (advantages - mean) / (std + 1e-8)
     stats = {}
-    num_minibatches = 0
+    steps_taken = 0  # minibatch steps over all epochs so far: a KL early stop ends the update early
     for epoch in range(max(epochs_pi, epochs_v)):
         permutation = torch.randperm(batch_size, device=batch["obs"].device)
         epoch_kl = 0.0
         for start in range(0, batch_size, minibatch_size):
-            idx = permutation[start : start + minibatch_size]
+            minibatch = permutation[start : start + minibatch_size]
             with autocast():
-                logits, new_value = agent(batch["obs"][idx])
-            new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][idx])
-            mb_advantages = advantages[idx]
+                logits, new_value = agent(batch["obs"][minibatch])
+            new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][minibatch])
+            mb_advantages = advantages[minibatch]
             if args.adv_norm == "minibatch":  # over the minibatch of all ranks
                 mean, std = global_moments(mb_advantages)
                 mb_advantages = (mb_advantages - mean) / (std + 1e-8)
-            log_ratio = new_log_prob - batch["log_probs"][idx]
+            log_ratio = new_log_prob - batch["log_probs"][minibatch]
             ratio = log_ratio.exp()
-            kl = categorical_kl(batch["logits"][idx], logits.float())
+            kl = categorical_kl(batch["logits"][minibatch], logits.float())
             pg_loss = policy_loss(ratio, mb_advantages, kl, args.policy_loss, args.clip_coef, kl_beta)
-            v_loss = value_loss(new_value.float(), batch["values"][idx], batch["returns"][idx], args.clip_coef,
-                                args.clip_vloss)
-            # PPO Eq. 9: L = -L_policy + c1 L_VF - c2 S. A term outside its epochs is left out of the graph, so its
-            # parameters get no gradient (a zero gradient would still move them through Adam's momentum).
-            loss = (pg_loss - args.ent_coef * entropy.mean() if epoch < epochs_pi else 0) + \
-                (args.vf_coef * v_loss if epoch < epochs_v else 0)
+            v_loss = value_loss(new_value.float(), batch["values"][minibatch], batch["returns"][minibatch],
+                                args.clip_coef, args.clip_vloss)
+            # PPO Eq. 9: L = -L_policy + c1 L_VF - c2 S. A term outside its epochs is left out of
+            # the graph, so its parameters get no gradient (a zero gradient would still move them
+            # through Adam's momentum).
+            loss = 0.0
+            if epoch < epochs_pi:
+                loss = pg_loss - args.ent_coef * entropy.mean()
+            if epoch < epochs_v:
+                loss = loss + args.vf_coef * v_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             average_gradients(optimizer)
             grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
-            if not torch.isfinite(grad_norms).all():  # one host sync per minibatch: stop before a NaN reaches weights
+            if not torch.isfinite(grad_norms).all():  # one sync: stop before a NaN reaches weights
                 raise FloatingPointError(f"non-finite loss {loss.item()} or gradient in epoch {epoch}")
             optimizer.step()
             with torch.no_grad():
-                for key, value in (("policy_loss", pg_loss), ("value_loss", v_loss), ("entropy", entropy.mean()),
-                                   ("old_approx_kl", (-log_ratio).mean()),
-                                   ("approx_kl", ((ratio - 1) - log_ratio).mean()),
-                                   ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
+                minibatch_stats = {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": entropy.mean(),
+                                   "old_approx_kl": (-log_ratio).mean(),
+                                   "approx_kl": ((ratio - 1) - log_ratio).mean(),
+                                   "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean()}
+                for key, value in minibatch_stats.items():
                     stats[key] = stats.get(key, 0.0) + value
                 epoch_kl = epoch_kl + kl.mean()
-            num_minibatches += 1
-        stop_early = args.policy_loss == "clip" and args.target_kl is not None
-        if stop_early and all_reduce_mean(stats["approx_kl"] / num_minibatches) > args.target_kl:  # all ranks agree
+            steps_taken += 1
+        stop_early = args.policy_loss == "clip" and args.target_kl is not None  # all ranks agree
+        if stop_early and all_reduce_mean(stats["approx_kl"] / steps_taken) > args.target_kl:
             break
-    stats = {key: value / num_minibatches for key, value in stats.items()}
+    stats = {key: value / steps_taken for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
     return dict(zip(stats, all_reduce_mean(torch.stack(list(stats.values()))).tolist()))
 
 
 def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone):
-    """PPG's auxiliary-phase objective on one minibatch; the two sums train disjoint parameters (theta_pi, theta_V).
-    PPG Eq. 3: L_joint = L_aux + beta_clone * E[KL(pi_old(.|s) || pi(.|s))], L_aux = 0.5 E[(V_aux(s) - V_targ)^2];
-    PPG Eq. 2: L_value = 0.5 E[(V(s) - V_targ)^2]."""
+    """One minibatch's PPG Eq. 3 (theta_pi), L_joint = L_aux + beta_clone E[KL(pi_old || pi)] with
+    L_aux = 0.5 E[(V_aux - V_targ)^2], plus Eq. 2 (theta_V), L_value = 0.5 E[(V - V_targ)^2]."""
     kl = categorical_kl(old_logits, logits).mean()
     aux_value_loss = 0.5 * ((aux_value - value_targets) ** 2).mean()
     true_value_loss = 0.5 * ((value - value_targets) ** 2).mean()
     return aux_value_loss + beta_clone * kl + true_value_loss, (aux_value_loss, kl, true_value_loss)
 
 
-def auxiliary_phase(agent, forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast):
-    """PPG Algorithm 1, auxiliary phase, on the buffer B of whole rollouts: aux_obs [R, T, 64, 64, 3] and
-    aux_value_targets [R, T], V_targ as computed when each rollout was collected (not recomputed). forward_aux is
-    agent.forward_aux, maybe compiled. Returns the phase's mean losses."""
+def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast):
+    """PPG Algorithm 1's auxiliary phase on B, whole rollouts: aux_obs [R, T, 64, 64, 3] and
+    aux_value_targets [R, T] (V_targ from when each was collected); forward_aux may be compiled."""
     num_rollouts = aux_obs.shape[0]
-    rollouts_per_minibatch = aux_rollouts_per_rank(args, dist.get_world_size() if dist.is_initialized() else 1)
-    to_device = lambda x: x.to(device, non_blocking=True)
-    # "Compute and store current policy pi_old(.|s_t) for all states s_t in B": once, before any auxiliary step.
+    rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
+    # "Compute and store current policy pi_old(.|s_t) for all states s_t in B", before any step.
+    old_logits = []
     with torch.no_grad(), autocast():
-        old_logits = torch.cat([forward_aux(to_device(aux_obs[i : i + rollouts_per_minibatch]).flatten(0, 1))[0]
-                                .float() for i in range(0, num_rollouts, rollouts_per_minibatch)])
-    old_logits = old_logits.view(num_rollouts, -1, old_logits.shape[-1])
+        for start in range(0, num_rollouts, rollouts_per_minibatch):
+            obs = aux_obs[start : start + rollouts_per_minibatch].to(device, non_blocking=True)
+            old_logits.append(forward_aux(obs.flatten(0, 1))[0].float())
+    old_logits = torch.cat(old_logits).unflatten(0, aux_obs.shape[:2])  # [R, T, actions]
     totals = torch.zeros(3, device=device)
-    num_minibatches = 0
-    for epoch in range(args.e_aux):  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V, on all data in B"
+    steps_taken = 0
+    for epoch in range(args.e_aux):  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
         permutation = torch.randperm(num_rollouts, device=aux_obs.device)
-        for start in range(0, num_rollouts, rollouts_per_minibatch):  # each rank's share of a minibatch
+        for start in range(0, num_rollouts, rollouts_per_minibatch):
             optimizer.zero_grad(set_to_none=True)
             minibatch = permutation[start : start + rollouts_per_minibatch]
-            for idx in minibatch.chunk(args.n_aux_grad_accum):  # weighted by size: the last chunk may be short
+            for chunk in minibatch.chunk(args.n_aux_grad_accum):  # weighted: sizes may differ
+                obs = aux_obs[chunk].to(device, non_blocking=True).flatten(0, 1)
+                value_targets = aux_value_targets[chunk].to(device, non_blocking=True).flatten()
                 with autocast():
-                    logits, value, aux_value = forward_aux(to_device(aux_obs[idx]).flatten(0, 1))
-                loss, parts = ppg_aux_loss(logits.float(), to_device(old_logits[idx]).flatten(0, 1), value.float(),
-                                           aux_value.float(), to_device(aux_value_targets[idx]).flatten(),
-                                           args.beta_clone)
-                (loss * len(idx) / len(minibatch)).backward()
-                totals += torch.stack(parts).detach() * len(idx) / len(minibatch)
+                    logits, value, aux_value = forward_aux(obs)
+                loss, parts = ppg_aux_loss(logits.float(), old_logits[chunk].flatten(0, 1), value.float(),
+                                           aux_value.float(), value_targets, args.beta_clone)
+                (loss * len(chunk) / len(minibatch)).backward()
+                totals += torch.stack(parts).detach() * len(chunk) / len(minibatch)
             average_gradients(optimizer)
             grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
-            if not torch.isfinite(grad_norms).all():
+            if not torch.isfinite(grad_norms).all():  # stop before a NaN reaches the weights
                 raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
             optimizer.step()
-            num_minibatches += 1
-    means = all_reduce_mean(totals / max(num_minibatches, 1)).tolist()
+            steps_taken += 1
+    means = all_reduce_mean(totals / max(steps_taken, 1)).tolist()
     return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
 
 
-def aux_rollouts_per_rank(args, world_size):
-    """Each rank's share of an auxiliary minibatch: --num-aux-rollouts / ranks, or by default the PPG code's 4 whole
-    rollouts per worker of 64 games (at least one)."""
+def train(args):
+    run = Run(args, prepare=prepare_phases)  # set-up, as PPO's; prepare_phases places the buffer
+    args = run.args  # a resumed run continues with its checkpoint's flags
+    device = run.device
+    local_envs = run.local_envs  # this rank's games; --num-envs and every step count are global
+    batch_size = args.num_envs * args.num_steps
+    num_iterations = run.count_iterations(batch_size)
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
+    agent = Agent(args, num_actions=15).to(device)
+    if args.channels_last:
+        agent = agent.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
+    aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
+    policy = run.load_agent(agent)  # a checkpoint's weights, alike on all ranks; --compile
+    forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
+    if args.eval_only:
+        return run.evaluate_checkpoint()
+
+    envs = make_env(args, local_envs)
+    # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
+    obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
+    actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
+    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
+    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
+    frames_to_device = FramesToDevice(local_envs, device)
+    if args.e_aux:  # PPG's buffer B: the phase's whole rollouts, rollout-major (frames and V_targ)
+        aux_obs = torch.empty((args.n_pi * local_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
+                              **run.prepared)  # where it fits: see aux_buffer_device
+        aux_value_targets = torch.empty(aux_obs.shape[:2], device=aux_obs.device)
+    num_stored = 0  # iterations in B
+    kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
+    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # one per phase, as the PPG code
+    kl_beta = run.resume(envs.env, optimizers=optimizers, kl_beta=kl_beta)["kl_beta"]
+    next_obs = frames_to_device(envs.reset(seed=run.env_seed)[0])
+    next_done = torch.zeros(local_envs, device=device)
+    global_step = (run.start_iteration - 1) * batch_size
+    phases = PhaseClock(run)  # PPG's own ETA and auxiliary-phase log
+    with run.guard(envs):  # signals stop at an iteration's end; a non-finite gradient stops
+        for iteration in range(run.start_iteration, num_iterations + 1):
+            run.anneal_learning_rate(iteration)
+
+            # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
+            episode_returns = []
+            episode_lengths = []
+            with run.timer("rollout"):
+                for step in range(args.num_steps):
+                    global_step += args.num_envs
+                    obs[step] = next_obs
+                    dones[step] = next_done
+                    with torch.no_grad(), autocast():
+                        logits, value = policy(next_obs)
+                    action = sample_action(logits.float())
+                    values[step] = value.float()
+                    actions[step] = action
+                    rollout_logits[step] = logits.float()
+                    log_probs[step] = log_prob_entropy(logits, action)[0]
+                    action_cpu = action.cpu().numpy()  # the step's one host sync
+                    with run.timer("env"):
+                        frames, reward, terminated, truncated, info = envs.step(action_cpu)
+                    rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
+                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32)
+                    next_done = next_done.to(device, non_blocking=True)
+                    next_obs = frames_to_device(frames)
+                    if "_episode" in info:  # every episode that ended here, not only the first
+                        episode_returns += info["episode"]["r"][info["_episode"]].tolist()
+                        episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
+                with torch.no_grad(), autocast():
+                    next_value = policy(next_obs)[1].float()
+
+            with run.timer("update"):
+                # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
+                advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
+                returns = advantages + values
+                batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
+                             logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
+                             returns=returns.flatten(), values=values.flatten())
+                stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta)
+                stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
+                if args.policy_loss == "kl-penalty" and args.kl_beta is None:
+                    kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
+                stats["explained_variance"] = explained_variance(returns, values)
+
+            # 4. Log; then evaluate, save a checkpoint or stop where the flags or a signal ask.
+            run.log_iteration(iteration, global_step, episode_returns, episode_lengths, stats,
+                              seconds_per_iteration=phases.seconds_per_iteration())
+            # PPG: "Add all (s_t, V_targ_t) to B"; after N_pi iterations, the auxiliary phase on B.
+            if args.e_aux:
+                stored = slice(num_stored * local_envs, (num_stored + 1) * local_envs)
+                aux_obs[stored] = obs.transpose(0, 1)
+                aux_value_targets[stored] = returns.transpose(0, 1)
+                num_stored += 1
+            if num_stored == args.n_pi:
+                run.keep(kl_beta=kl_beta)  # for a non-finite auxiliary step to save
+                with phases.auxiliary(iteration, global_step) as aux_stats:  # timed and logged
+                    aux_stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs,
+                                                     aux_value_targets, args, device, autocast))
+                num_stored = 0
+            run.end_iteration(iteration, global_step, may_stop=num_stored == 0, kl_beta=kl_beta)
+    return run.run_dir
+
+
+# ---- Appendix: plumbing ----
+# (R_min, R_max) per game for the normalized score, easy and hard: train-procgen's constants.py.
+PROCGEN_RANGES = {
+    "bigfish": {"easy": (1, 40), "hard": (0, 40)}, "bossfight": {"easy": (0.5, 13), "hard": (0.5, 13)},
+    "caveflyer": {"easy": (3.5, 12), "hard": (2, 13.4)}, "chaser": {"easy": (0.5, 13), "hard": (0.5, 14.2)},
+    "climber": {"easy": (2, 12.6), "hard": (1, 12.6)}, "coinrun": {"easy": (5, 10), "hard": (5, 10)},
+    "dodgeball": {"easy": (1.5, 19), "hard": (1.5, 19)}, "fruitbot": {"easy": (-1.5, 32.4), "hard": (-0.5, 27.2)},
+    "heist": {"easy": (3.5, 10), "hard": (2, 10)}, "jumper": {"easy": (1, 10), "hard": (1, 10)},
+    "leaper": {"easy": (1.5, 10), "hard": (1.5, 10)}, "maze": {"easy": (5, 10), "hard": (4, 10)},
+    "miner": {"easy": (1.5, 13), "hard": (1.5, 20)}, "ninja": {"easy": (3.5, 10), "hard": (2, 10)},
+    "plunder": {"easy": (4.5, 30), "hard": (3, 30)}, "starpilot": {"easy": (2.5, 64), "hard": (1.5, 35)},
+}
+
+
+def normalized_score(env_id, distribution_mode, episodic_return):
+    """(R - R_min) / (R_max - R_min); None for modes without published ranges."""
+    if distribution_mode not in PROCGEN_RANGES[env_id]:
+        return None
+    low, high = PROCGEN_RANGES[env_id][distribution_mode]
+    return (episodic_return - low) / (high - low)
+
+
+@torch.no_grad()
+def evaluate(agent, args, device, num_episodes, seed, video_path=None):
+    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded
+    level distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0
+    these are levels it did not train on, up to a vanishing chance (as train-procgen's test worker);
+    with N = 0 training covers them all."""
+    if num_episodes == 0:  # more ranks than evaluation episodes
+        return []
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
+                                                 args.env_threads))
+    obs, _ = envs.reset(seed=seed)
+    returns = np.full(num_episodes, np.nan)
+    frames = [obs[0]]
+    while np.isnan(returns).any():
+        logits, _ = agent(torch.as_tensor(obs, device=device))
+        obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
+        if "_episode" in info:
+            first_end = info["_episode"] & np.isnan(returns)
+            returns[first_end] = info["episode"]["r"][first_end]
+        if video_path and np.isnan(returns[0]):
+            frames.append(obs[0])
+    envs.close()
+    if video_path:
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+    return returns.tolist()
+
+
+def write_video(path, frames, fps=15):
+    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
+    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+
+
+class ProcgenVecEnv(gym.vector.VectorEnv):
+    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers
+    work on it.
+
+    Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that
+    episode's last reward and the *first* frame of the next episode (gym3's `first` flag). Procgen
+    has no time-limit signal, so truncated is always False: time-outs count as terminations.
+    `reset(seed=s)` builds fresh games whose levels and dynamics are fully determined by s
+    (procgen's `rand_seed`). """
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
+        if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
+            raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+            from procgen import ProcgenGym3Env
+        self._make = functools.partial(  # the games, once reset gives their seed
+            ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
+            start_level=start_level, num_threads=num_threads)
+        self.num_envs = num_envs
+        self.env = None  # made at reset, seeded then
+        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+        self.single_action_space = gym.spaces.Discrete(15)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        if self.env is not None:
+            self.env.close()
+        if seed is None:
+            seed = int(self.np_random.integers(2**31 - 1))
+        self.env = self._make(rand_seed=seed)
+        _, obs, _ = self.env.observe()
+        return obs["rgb"], {}
+
+    def step(self, actions):
+        self.env.act(np.asarray(actions, dtype=np.int32))
+        reward, obs, first = self.env.observe()
+        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
+
+    def close_extras(self, **kwargs):
+        if self.env is not None:
+            self.env.close()
+
+
+class FramesToDevice:
+    """The games' frames onto the device; on CUDA through a pinned staging buffer, copied asynchronously."""
+
+    def __init__(self, num_envs, device):
+        self.device = device
+        pinned = device.type == "cuda"
+        self.staging = torch.zeros((num_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=pinned)
+
+    def __call__(self, frames):
+        if self.device.type != "cuda":
+            return torch.from_numpy(frames)
+        return self.staging.copy_(torch.from_numpy(frames)).to(self.device, non_blocking=True)
+
+
+class Run:
+    """Everything a training run does besides its algorithm, for PPO, PPG and IMPALA alike. In the
+    order `train` calls it: `Run(args)` checks the flags, loads a checkpoint to resume or evaluate,
+    joins torchrun, seeds, splits the threads and opens the log; `count_iterations`, `load_agent`,
+    `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
+    loop, `timer` blocks, `log_iteration` and `end_iteration`."""
+
+    def __init__(self, args, prepare=None):
+        """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
+        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`."""
+        check_args(args)
+        self.checkpoint = None
+        if args.resume or args.eval_only:
+            self.checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+            # Each rank's reward statistics and RNG states are its own.
+            saved_ranks = len(self.checkpoint["ranks"])
+            same_ranks = saved_ranks == int(os.environ.get("WORLD_SIZE", 1))
+            require(args.eval_only or same_ranks, f"--resume {args.resume} was written by {saved_ranks} ranks: "
+                    f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+        self.args = args
+        self.rank, self.world_size, self.device = setup_distributed(args)
+        self.local_envs = args.num_envs // self.world_size
+        self.prepared = None
+        if prepare is not None and not args.eval_only:
+            self.prepared = prepare(args, self.device, self.world_size)
+        # Each rank its own actions and minibatches (and its own levels).
+        random.seed(args.seed + self.rank)
+        np.random.seed(args.seed + self.rank)
+        torch.manual_seed(args.seed + self.rank)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        # Autotuned kernels are faster, not reproducible.
+        torch.backends.cudnn.benchmark = not args.torch_deterministic
+        args.env_threads, torch_threads = thread_split(args, self.device)
+        torch.set_num_threads(torch_threads)
+        self.start_iteration = 1
+        resume_iteration = None
+        if args.resume:
+            self.start_iteration = self.checkpoint["iteration"] + 1
+            resume_iteration = self.checkpoint["iteration"]
+            self.run_name = self.checkpoint["run_name"]
+            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
+        else:
+            self.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+            if args.eval_only:
+                self.run_name += "__eval"
+            self.run_dir = os.path.join("runs", self.run_name)
+        self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
+        self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
+        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
+        # level is replayed.
+        self.env_seed = args.seed + (self.start_iteration - 1) * self.world_size + self.rank
+        self.agent = None
+        self.optimizers = {}
+        self.normalizer = None
+        self.state = {}  # what checkpoints hold besides weights, optimizers and RNGs (PPO: kl_beta)
+        self.reward_rms = None  # from `keep` where the normalizer runs ahead (IMPALA's actor)
+        self.times = collections.Counter()
+        self.recent_returns = collections.deque(maxlen=100)
+        self.interrupted = []
+        self.on_stop = None
+
+    def count_iterations(self, steps_per_iteration):
+        """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
+        args = self.args
+        self.steps_per_iteration = steps_per_iteration
+        self.num_iterations = args.total_timesteps // steps_per_iteration
+        trained_steps = self.num_iterations * steps_per_iteration
+        if trained_steps != args.total_timesteps and not args.eval_only:
+            iterations = self.num_iterations
+            print(f"note: training {trained_steps:,} steps ({iterations} whole iterations)")
+        if self.device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
+            print(CPU_NOTE)
+        return self.num_iterations
+
+    def load_agent(self, agent):
+        """The checkpoint's weights (if any), rank 0's on every rank; returns the network to call,
+        compiled with --compile (it shares the weights)."""
+        if self.checkpoint is not None:
+            agent.load_state_dict(self.checkpoint["agent"])
+        for tensor in agent.state_dict().values() if dist.is_initialized() else ():
+            dist.broadcast(tensor, src=0)
+        self.agent = agent
+        return torch.compile(agent) if self.args.compile else agent
+
+    def resume(self, normalizer, optimizers, **state):
+        """`optimizers` by the keys checkpoints keep them under ({"optimizer": ...}; PPG adds
+        "aux_optimizer") and the algorithm's `state` with its starting values. With --resume all get
+        the checkpoint's values, and this rank its reward statistics and RNG states. Returns the
+        state to continue from."""
+        self.normalizer = normalizer
+        self.optimizers = optimizers
+        self.state = dict(state)
+        if self.args.resume:
+            for key, optimizer in optimizers.items():
+                optimizer.load_state_dict(self.checkpoint[key])
+            restore_rank_state(self.checkpoint["ranks"][self.rank], normalizer)
+            self.state = {key: self.checkpoint[key] for key in state}
+            print(f"resuming {self.run_name} at iteration {self.start_iteration}")
+        return dict(self.state)
+
+    def keep(self, reward_rms=None, **state):
+        """Update what the next checkpoint holds (also one a non-finite gradient writes mid-iteration)."""
+        if reward_rms is not None:
+            self.reward_rms = reward_rms
+        self.state.update(state)
+
+    def checkpoint_state(self, iteration):
+        reward_rms = self.reward_rms
+        if reward_rms is None:
+            reward_rms = reward_statistics(self.normalizer)
+        optimizers = {key: optimizer.state_dict() for key, optimizer in self.optimizers.items()}
+        global_step = iteration * self.steps_per_iteration
+        ranks = gather([rank_state(reward_rms)])  # every rank's own state
+        return dict(agent=self.agent.state_dict(), **optimizers, iteration=iteration, global_step=global_step,
+                    **self.state, args=asdict(self.args), run_name=self.run_name, ranks=ranks)
+
+    def anneal_learning_rate(self, iteration):
+        """With --anneal-lr, every optimizer's rate falls linearly to 0 over the run."""
+        if not self.args.anneal_lr:
+            return
+        learning_rate = self.args.learning_rate * (1.0 - (iteration - 1) / self.num_iterations)
+        for optimizer in self.optimizers.values():
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
+
+    @contextlib.contextmanager
+    def timer(self, name):
+        """Adds the block's seconds to this iteration's time/<name> column (and its console line)."""
+        self.times[name] += 0.0  # columns in the order their timers first start
+        start = time.time()
+        yield
+        self.times[name] += time.time() - start
+
+    @contextlib.contextmanager
+    def guard(self, envs, on_stop=None, failure_message=None):
+        """Around the training loop: signals only ask to stop (see `catch_interrupt` and
+        `end_iteration`); a non-finite gradient saves the weights before that step and exits with
+        one line (`failure_message(error, path)` words it, where given); every exit closes the
+        games, the log and the process group. `on_stop` ends threads of the algorithm's own
+        (IMPALA's actor) before any checkpoint is written and at the end."""
+        self.interrupted = catch_interrupt()
+        self.on_stop = on_stop
+        self.start_time = time.time()
+        self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
+        try:
+            yield
+        except FloatingPointError as error:  # raised before the step that would put a NaN in weights
+            self.stop_threads()
+            path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
+            save_checkpoint(path, **self.checkpoint_state(self.completed))
+            if failure_message is not None:
+                raise SystemExit(failure_message(error, path))
+            raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
+                             f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
+                             "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.stop_threads()
+            envs.close()
+            self.logger.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def stop_threads(self):
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def log_iteration(self, iteration, global_step, episode_returns, episode_lengths, losses, columns=None,
+                      note="", seconds_per_iteration=None):
+        """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's
+        episodes, the `losses` (already averaged over the ranks), the algorithm's own `columns`, the
+        timers. The ETA assumes `seconds_per_iteration` for each iteration to come (default: the
+        steps per second so far); `note` goes after it on the console."""
+        episode_returns = gather(episode_returns)  # every rank's episodes count
+        episode_lengths = gather(episode_lengths)
+        self.recent_returns.extend(episode_returns)
+        elapsed = time.time() - self.start_time
+        sps = (global_step - self.start_step) / elapsed
+        learning_rate = next(iter(self.optimizers.values())).param_groups[0]["lr"]
+        gpu_memory = None
+        if self.device.type == "cuda":
+            gpu_memory = torch.cuda.max_memory_allocated() / 2**30
+        self.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                         "charts/learning_rate": learning_rate, "charts/episodes": len(episode_returns),
+                         "charts/episodic_return": mean_or_none(episode_returns),
+                         "charts/episodic_length": mean_or_none(episode_lengths),
+                         "charts/episodic_return_last100": mean_or_none(self.recent_returns),
+                         **{f"losses/{key}": value for key, value in losses.items()}, **(columns or {}),
+                         **{f"time/{key}": seconds for key, seconds in self.times.items()},
+                         "perf/gpu_memory_gb": gpu_memory})
+        self.completed = iteration
+        if seconds_per_iteration is None:
+            seconds_per_iteration = self.steps_per_iteration / sps
+        eta = (self.num_iterations - iteration) * seconds_per_iteration / 60
+        timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in self.times.items())
+        returns = "-"
+        if episode_returns:
+            returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
+        print(f"iter {iteration}/{self.num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | ETA "
+              f"{eta:.1f} min{note} | return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f}"
+              f" ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
+        self.times = collections.Counter()
+
+    def end_iteration(self, iteration, global_step, may_stop=True, reward_rms=None, **state):
+        """Evaluate and save a checkpoint where the flags ask, with `state` (see `keep`); then, if
+        any rank caught a signal, save and exit with 128 + its number, all ranks here together.
+        `may_stop=False` (PPG inside a phase) leaves the stop to a later iteration."""
+        self.keep(reward_rms, **state)
+        args = self.args
+        if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
+            self.evaluate(iteration, global_step)
+        checkpoint_path = os.path.join(self.run_dir, "checkpoint.pt")
+        if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
+            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
+        any_signal = all_reduce_mean(caught) > 0
+        if any_signal and may_stop:  # with nothing half done
+            signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
+            self.stop_threads()
+            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+            print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
+                  f"{self.run_dir}/checkpoint.pt; continue with --resume")
+            raise SystemExit(128 + signum)
+
+    def evaluate(self, iteration, global_step):
+        """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
+        args = self.args
+        video = None
+        if args.capture_video and self.rank == 0:
+            video = os.path.join(self.run_dir, "videos", f"eval_{iteration:05d}.mp4")
+        start = time.time()
+        num_episodes = len(range(self.rank, args.eval_episodes, self.world_size))
+        seed = args.seed + 10**6 + iteration * self.world_size + self.rank
+        episode_returns = evaluate(self.agent, args, self.device, num_episodes, seed, video)
+        eval_return = float(np.mean(gather(episode_returns)))
+        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
+        self.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                         "eval/normalized_score": score, "time/eval": time.time() - start}, video)
+        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
+              + (f", normalized score {score:.3f}" if score is not None else "")
+              + (f", video {video}" if video else ""))
+
+    def evaluate_checkpoint(self):
+        """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
+        self.evaluate(self.checkpoint["iteration"], self.checkpoint["global_step"])
+        self.logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return self.run_dir
+
+
+def mean_or_none(values):
+    return float(np.mean(values)) if len(values) else None
+
+
+# PPG's own plumbing: where its auxiliary buffer fits, each rank's minibatch, its ETA and its log.
+def prepare_phases(args, device, world_size):
+    """`Run`'s hook: torch.empty's keywords for the auxiliary buffer (None: no auxiliary phases)."""
+    return aux_buffer_device(args, device, world_size) if args.e_aux else None
+
+
+def aux_buffer_device(args, device, world_size):
+    """torch.empty's keywords for each rank's auxiliary buffer (N_pi x its num_envs / ranks rollouts of
+    num_steps uint8 frames, 6.4 GB at the defaults; value targets, pi_old logits), estimated before
+    anything is allocated and refused if it cannot fit; in host memory pinned, for async copies."""
+    needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and needed < 0.5 * free)
+    where = device if on_device else torch.device("cpu")
+    if where.type == "cpu":  # shared by the ranks of one machine
+        free = available_host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    require(needed <= 0.8 * free, f"the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per rank "
+            f"(--n-pi {args.n_pi} x --num-envs {args.num_envs} / {world_size} ranks x --num-steps "
+            f"{args.num_steps} frames) but only {free / 2**30:.1f} GiB of {where.type} memory is free per "
+            "rank; lower --n-pi or --num-envs, or set --aux-buffer")
+    return {"device": where, "pin_memory": where.type == "cpu" and device.type == "cuda"}
+
+
+def available_host_memory():
+    """Bytes to be had without swapping: Linux's MemAvailable (elsewhere unknown: inf)."""
+    if not os.path.exists("/proc/meminfo"):
+        return float("inf")
+    with open("/proc/meminfo") as f:  # a line "MemAvailable:  123456 kB"
+        return next((int(line.split()[1]) * 1024 for line in f if "MemAvailable" in line), float("inf"))
+
+
+def aux_rollouts_per_rank(args, world_size=None):
+    """Each rank's share of an auxiliary minibatch (world_size: by default this run's ranks):
+    --num-aux-rollouts / ranks, or the PPG code's 4 whole rollouts per 64 games (at least 1)."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
     if args.num_aux_rollouts is not None:
         return args.num_aux_rollouts // world_size
     return max(1, args.num_envs // world_size // 16)
 
 
-def aux_buffer_device(args, device, world_size):
-    """Each rank's auxiliary buffer holds N_pi x its num_envs / ranks rollouts of num_steps uint8 frames (6.4 GB at the
-    defaults), value targets and pi_old logits. Estimate it before allocating anything; refuse at once if it cannot
-    fit (host memory is shared by the ranks of one machine)."""
-    needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-    where = device if args.aux_buffer == "cuda" or args.aux_buffer == "auto" and needed < 0.5 * free else "cpu"
-    if torch.device(where).type == "cpu":  # host memory to be had without swapping (not Linux: cannot tell)
-        free = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if "MemAvailable" in line),
-                    float("inf")) if os.path.exists("/proc/meminfo") else float("inf")
-        free /= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if needed > 0.8 * free:
-        raise SystemExit(f"error: the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per rank (--n-pi {args.n_pi}"
-                         f" x --num-envs {args.num_envs} / {world_size} ranks x --num-steps {args.num_steps} frames) "
-                         f"but only {free / 2**30:.1f} GiB of {torch.device(where).type} memory is free per rank; "
-                         "lower --n-pi or --num-envs, or set --aux-buffer")
-    return torch.device(where)
+class PhaseClock:
+    """PPG's timing: the ETA counts the auxiliary phases to come; each auxiliary phase writes a row
+    (its mean losses, both phases' seconds) and a console line."""
 
+    def __init__(self, run):
+        self.run, self.phase_start, self.last_phase_time = run, time.time(), None
+        leftover = run.num_iterations % run.args.n_pi
+        if leftover and run.args.e_aux:  # an auxiliary phase costs no env steps: phases are whole
+            print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
 
-def require(ok, message):
-    if not ok:
-        raise SystemExit(f"error: {message}")
+    def seconds_per_iteration(self):
+        """Before a whole phase, an auxiliary phase counts as E_aux + 1/3 updates: its epochs, pi_old's pass."""
+        args = self.run.args
+        if self.last_phase_time:
+            return self.last_phase_time / args.n_pi
+        aux_share = (args.e_aux + 1 / 3) / max(args.e_pi, args.e_v) if args.e_aux else 0
+        return self.run.times["rollout"] + self.run.times["update"] * (1 + aux_share)
 
-
-def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
-    for flag in (*positive, *non_negative, *fractions):
-        value = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if value is None:
-            continue
-        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
-        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
-        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
-        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
-
-
-def check_args(args):
-    """Fail at once, before anything heavy is allocated, with one line naming the flag."""
-    require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
-            + ", ".join(PROCGEN_RANGES))
-    check_ranges(args, positive=("total_timesteps", "num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v",
-                                 "num_aux_rollouts", "n_aux_grad_accum", "eval_episodes", "hidden_size", "save_every",
-                                 "learning_rate", "gamma", "clip_coef", "max_grad_norm", "target_kl", "adam_eps",
-                                 "reward_norm_gamma", "reward_clip"),
-                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
-                               "e_aux", "beta_clone", "ent_coef", "vf_coef", "kl_beta"),
-                 fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
-    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
-            "ranks: each rank steps num_envs / ranks games")
-    batch_size = args.num_envs // world_size * args.num_steps
-    require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
-            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
-            f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
-            f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
-    require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
-            f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
-    require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
-    require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
-            "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
-    require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
-            f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
-    require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0, f"--num-aux-rollouts "
-            f"{args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
-    require(aux_rollouts_per_rank(args, world_size) % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum "
-            f"{args.n_aux_grad_accum} must divide the {aux_rollouts_per_rank(args, world_size)} rollouts of each "
-            "rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
-
-
-def thread_split(args, device):
-    """In the rollout the games step while the network waits and vice versa, so procgen's and torch's threads take
-    turns on the cores. On CPU the network dominates: torch gets every core, procgen one thread (measured on 2 cores:
-    2 torch threads run the rollout and the update 1.6-1.9x faster than 1; procgen threads change little).
-    On GPU procgen gets the cores and torch one thread for its bookkeeping."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
-    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
-    return env_threads, torch_threads
+    @contextlib.contextmanager
+    def auxiliary(self, iteration, global_step):
+        """Times the auxiliary phase inside, which puts its losses in the dict yielded."""
+        aux_stats, aux_start = {}, time.time()
+        yield aux_stats
+        aux_time = time.time() - aux_start
+        self.last_phase_time = time.time() - self.phase_start
+        policy_time = self.last_phase_time - aux_time
+        self.run.logger.log({"global_step": global_step, "iteration": iteration, **aux_stats,
+                             "time/policy_phase": policy_time, "time/aux_phase": aux_time})
+        losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in aux_stats.items())
+        print(f"aux phase: policy phase {policy_time:.1f}s, aux phase {aux_time:.1f}s | {losses}", flush=True)
+        self.phase_start = time.time()
 
 
 def setup_distributed(args):
-    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global), WORLD_SIZE and
-    LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0 of 1, with no process group.
-    NCCL connects GPUs, gloo CPUs; a collective that a failed rank never joins times out after 10 minutes (torchrun
-    itself stops the other ranks 30 s after one fails)."""
+    """Data parallel under torchrun, which starts one process per GPU and sets RANK (global),
+    WORLD_SIZE and LOCAL_RANK (the GPU's index on its machine); a plain `python script.py` is rank 0
+    of 1, with no process group. NCCL connects GPUs, gloo CPUs; a collective that a failed rank
+    never joins times out after 10 minutes (torchrun itself stops the other ranks 30 s after one
+    fails)."""
     rank = int(os.environ.get("RANK", 0))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
@@ -637,8 +1023,9 @@ def all_reduce_mean(tensor):
 
 
 def average_gradients(optimizer):
-    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient of the whole
-    minibatch, all ranks alike. A parameter left out of the loss has no gradient on any rank."""
+    """One all-reduce of every gradient in one flat bucket: each rank then steps with the gradient
+    of the whole minibatch, all ranks alike. A parameter left out of the loss has no gradient on any
+    rank."""
     if not dist.is_initialized():
         return
     grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
@@ -665,12 +1052,40 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one
+    group; PPG: one per network, so that the value network's gradient cannot shrink the policy's
+    step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
+def explained_variance(returns, values):
+    """1 - Var[R - V] / Var[R] over all ranks: 1 when the values predict the returns, 0 when they explain nothing."""
+    _, residual_std = global_moments(returns - values)
+    _, returns_std = global_moments(returns)
+    return (1 - (residual_std / returns_std) ** 2).item()
+
+
+def thread_split(args, device):
+    """In the rollout the games step while the network waits and vice versa, so procgen's and
+    torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
+    procgen one thread (measured on 2 cores: 2 torch threads run the rollout and the update 1.6-1.9x
+    faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
+    thread for its bookkeeping."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
+    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
+    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
+    return env_threads, torch_threads
+
+
 def catch_interrupt():
-    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they kill a job) only
-    records the signal; the training loop reads it where it can stop cleanly, saves a checkpoint and exits with
-    128 + the signal's number, so a checkpoint never holds half an update. A second signal stops at once (keeping the
-    last checkpoint); under torchrun a process gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so
-    a repeat within 2 s counts once. `train` restores the default handlers when it returns."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
+    kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
+    a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
+    update. A second signal stops at once (keeping the last checkpoint); under torchrun a process
+    gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so a repeat within 2 s
+    counts once. `train` restores the default handlers when it returns."""
     requested = []
     first_time = []
 
@@ -689,9 +1104,9 @@ def catch_interrupt():
 
 
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard event files in the
-    same directory (`tensorboard --logdir runs`: every numeric column with a '/' in its name, at step global_step)
-    and, with --track, to wandb."""
+    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard
+    event files in the same directory (`tensorboard --logdir runs`: every numeric column with a '/'
+    in its name, at step global_step) and, with --track, to wandb."""
 
     def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
         self.file = None
@@ -751,9 +1166,15 @@ class Logger:
             self.wandb.finish()
 
 
+# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
+# logging only.
+RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
+                 "wandb_project", "wandb_entity", "wandb_mode")
+
+
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and plain data only,
-    every rank's part gathered; rank 0 writes it."""
+    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
+    plain data only, every rank's part gathered; rank 0 writes it."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return
     torch.save(state, path + ".tmp")
@@ -767,8 +1188,9 @@ def reward_statistics(normalizer):
 
 
 def rank_state(reward_rms):
-    """This process's own part of a checkpoint: its reward normalizer's statistics (`reward_statistics`) and its RNG
-    states, in the plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
+    """This process's own part of a checkpoint: its reward normalizer's statistics
+    (`reward_statistics`) and its RNG states, in the plain types that torch.load(weights_only=True)
+    accepts (numpy's RNG key as a list)."""
     numpy_rng = np.random.get_state(legacy=False)
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
     return {"reward_rms": reward_rms,
@@ -791,8 +1213,9 @@ def restore_rank_state(state, normalizer):
 
 
 def load_checkpoint(path, args):
-    """Tensors and plain data only (weights_only=True: loading a file never runs code from it); every failure is one
-    line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS given on this command line."""
+    """Tensors and plain data only (weights_only=True: loading a file never runs code from it);
+    every failure is one line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS
+    given on this command line."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
@@ -811,274 +1234,69 @@ def load_checkpoint(path, args):
                                "resume": args.resume, "eval_only": args.eval_only, "checkpoint": args.checkpoint})
 
 
-def write_video(path, frames, fps=15):
-    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
-    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
-    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+def require(ok, message):
+    if not ok:
+        raise SystemExit(f"error: {message}")
 
 
-@torch.no_grad()
-def evaluate(agent, args, device, num_episodes, seed, video_path=None):
-    """Raw returns of the stochastic policy, one episode per env, on levels drawn from the unbounded level
-    distribution (num_levels=0; procgen then ignores start_level): with --num-levels N > 0 these are levels it did
-    not train on, up to a vanishing chance (as train-procgen's test worker); with N = 0 training covers them all."""
-    if num_episodes == 0:  # more ranks than evaluation episodes
-        return []
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads))
-    obs, _ = envs.reset(seed=seed)
-    returns = np.full(num_episodes, np.nan)
-    frames = [obs[0]]
-    while np.isnan(returns).any():
-        logits, _ = agent(torch.as_tensor(obs, device=device))
-        obs, _, _, _, info = envs.step(sample_action(logits).cpu().numpy())
-        if "_episode" in info:
-            first_end = info["_episode"] & np.isnan(returns)
-            returns[first_end] = info["episode"]["r"][first_end]
-        if video_path and np.isnan(returns[0]):
-            frames.append(obs[0])
-    envs.close()
-    if video_path:
-        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
-    return returns.tolist()
+def check_ranges(args, positive=(), non_negative=(), fractions=()):
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    for flag in (*positive, *non_negative, *fractions):
+        value = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if value is None:
+            continue
+        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
+        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
 
 
-# Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured on this
-# project's 2-core VMs (README, Speed).
-CPU_NOTE = ("note: training on the CPU. On a 2-core CPU one phase at the defaults (32 iterations, then the auxiliary "
-            "phase) takes about 4.7 hours (estimated from measured iterations: 31 steps/s, so 25M steps take over a "
-            "week). A run that finishes in about 6 minutes there: python ppg_procgen.py --num-envs 16 --num-steps 64 "
-            "--num-minibatches 4 --n-pi 4 --total-timesteps 16384. --amp (bfloat16) ran PPO 1.8x faster on a CPU "
-            "with AVX512-BF16.")
+def check_args(args):
+    """Fail at once, before anything heavy is allocated, with one line naming the flag."""
+    require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
+            + ", ".join(PROCGEN_RANGES))
+    check_ranges(args, positive=("total_timesteps", "num_envs", "num_steps", "num_minibatches", "e_pi", "e_v",
+                                 "eval_episodes", "hidden_size", "save_every", "learning_rate", "gamma", "clip_coef",
+                                 "max_grad_norm", "target_kl", "adam_eps", "reward_norm_gamma", "reward_clip"),
+                 non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
+                               "ent_coef", "vf_coef", "kl_beta"),
+                 fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
+    check_ranges(args, positive=("n_pi", "num_aux_rollouts", "n_aux_grad_accum"),
+                 non_negative=("e_aux", "beta_clone"))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
+    require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
+            "ranks: each rank steps num_envs / ranks games")
+    batch_size = args.num_envs // world_size * args.num_steps
+    require(batch_size % args.num_minibatches == 0 and batch_size >= args.num_minibatches,
+            f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
+            f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
+            f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
+            f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
+    require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
+    require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
+            "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
+    require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
+            f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
+    require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0,
+            f"--num-aux-rollouts {args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
+    rollouts = aux_rollouts_per_rank(args, world_size)
+    require(rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} must divide "
+            f"the {rollouts} rollouts of each rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
+    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
+    for flag in ("checkpoint", "resume"):
+        path = getattr(args, flag)
+        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
 
 
-def train(args):
-    check_args(args)
-    if args.resume or args.eval_only:
-        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
-        saved_ranks = len(checkpoint["ranks"])  # each rank's reward statistics and RNG states are its own
-        require(args.eval_only or saved_ranks == int(os.environ.get("WORLD_SIZE", 1)), f"--resume {args.resume} was "
-                f"written by {saved_ranks} ranks: resume it with as many (torchrun --nproc-per-node {saved_ranks})")
-    rank, world_size, device = setup_distributed(args)
-    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
-    batch_size = args.num_envs * args.num_steps
-    num_iterations = args.total_timesteps // batch_size
-    if num_iterations * batch_size != args.total_timesteps and not args.eval_only:
-        print(f"note: training {num_iterations * batch_size:,} steps ({num_iterations} whole iterations)")
-    if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
-        print(CPU_NOTE)
-    random.seed(args.seed + rank)  # each rank its own actions and minibatches (and, below, its own levels)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels are faster, not reproducible
-    aux_device = aux_buffer_device(args, device, world_size) if args.e_aux and not args.eval_only else None  # early
-    args.env_threads, torch_threads = thread_split(args, device)
-    torch.set_num_threads(torch_threads)
-    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
-    start_iteration = checkpoint["iteration"] + 1 if args.resume else 1
-    run_name = checkpoint["run_name"] if args.resume else \
-        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}" + ("__eval" if args.eval_only else "")
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if args.resume else os.path.join("runs", run_name)
-    logger = Logger(args, run_name, run_dir, rank, resume_iteration=start_iteration - 1 if args.resume else None)
-
-    agent = Agent(args, num_actions=15).to(device)
-    if args.channels_last:
-        agent = agent.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
-    aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)  # as the PPG code
-    if args.resume or args.eval_only:
-        agent.load_state_dict(checkpoint["agent"])
-    for tensor in agent.state_dict().values() if dist.is_initialized() else ():  # all ranks start from rank 0's
-        dist.broadcast(tensor, src=0)
-    policy = torch.compile(agent) if args.compile else agent  # shares the weights; compiled forward
-    forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
-
-    def run_evaluation(iteration, global_step):
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4") if args.capture_video and rank == 0 \
-            else None
-        start = time.time()
-        eval_return = float(np.mean(gather(evaluate(  # the ranks share the episodes
-            agent, args, device, len(range(rank, args.eval_episodes, world_size)),
-            seed=args.seed + 10**6 + iteration * world_size + rank, video_path=video))))
-        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-        logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                    "eval/normalized_score": score, "time/eval": time.time() - start}, video)
-        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-              + (f", normalized score {score:.3f}" if score is not None else "")
-              + (f", video {video}" if video else ""))
-
-    if args.eval_only:
-        run_evaluation(checkpoint["iteration"], checkpoint["global_step"])
-        logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return run_dir
-
-    envs = make_env(args, local_envs)
-    normalizer = envs.env  # the NormalizeReward wrapper: its running statistics go into checkpoints
-    # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
-    obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
-    actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
-    log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
-    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for the exact KL
-    staging = torch.zeros((local_envs, 64, 64, 3), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    to_device = lambda frames: (staging.copy_(torch.from_numpy(frames)).to(device, non_blocking=True)
-                                if device.type == "cuda" else torch.from_numpy(frames))  # pinned, asynchronous
-    if args.e_aux:  # PPG's buffer B: the phase's rollouts, whole and rollout-major (frames and V_targ)
-        aux_obs = torch.empty((args.n_pi * local_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
-                              device=aux_device, pin_memory=aux_device.type == "cpu" and device.type == "cuda")
-        aux_value_targets = torch.empty((args.n_pi * local_envs, args.num_steps), device=aux_device)
-    if num_iterations % args.n_pi and args.e_aux:  # the auxiliary phase costs no environment steps: whole phases
-        print(f"note: the last {num_iterations % args.n_pi} iterations are not followed by an auxiliary phase")
-    num_stored = 0
-    phase_start = time.time()
-    last_phase_time = None
-    kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's beta (adapted unless --kl-beta)
-    if args.resume:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        aux_optimizer.load_state_dict(checkpoint["aux_optimizer"])
-        restore_rank_state(checkpoint["ranks"][rank], normalizer)
-        kl_beta = checkpoint["kl_beta"]
-        print(f"resuming {run_name} at iteration {start_iteration}")
-
-    def checkpoint_state(iteration):
-        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration,
-                    aux_optimizer=aux_optimizer.state_dict(),
-                    global_step=iteration * batch_size, kl_beta=kl_beta, args=asdict(args), run_name=run_name,
-                    ranks=gather([rank_state(reward_statistics(normalizer))]))  # every rank's own state
-
-    # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no level is replayed.
-    next_obs = to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
-    next_done = torch.zeros(local_envs, device=device)
-    completed = start_iteration - 1  # iterations done (and checkpointed)
-    global_step = completed * batch_size
-    start_time = time.time()
-    start_step = global_step
-    recent_returns = collections.deque(maxlen=100)
-    interrupted = catch_interrupt()
-    try:
-        for iteration in range(start_iteration, num_iterations + 1):
-            if args.anneal_lr:
-                for group in (*optimizer.param_groups, *aux_optimizer.param_groups):  # global step, across phases
-                    group["lr"] = args.learning_rate * (1.0 - (iteration - 1) / num_iterations)
-
-            # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
-            rollout_start = time.time()
-            env_time = 0.0
-            episode_returns = []
-            episode_lengths = []
-            for step in range(args.num_steps):
-                global_step += args.num_envs
-                obs[step] = next_obs
-                dones[step] = next_done
-                with torch.no_grad(), autocast():
-                    logits, value = policy(next_obs)
-                action = sample_action(logits.float())
-                values[step] = value.float()
-                actions[step] = action
-                rollout_logits[step] = logits.float()
-                log_probs[step] = log_prob_entropy(logits, action)[0]
-                action_cpu = action.cpu().numpy()  # the step's one host sync: the games need the actions
-                env_start = time.time()
-                frames, reward, terminated, truncated, info = envs.step(action_cpu)
-                env_time += time.time() - env_start
-                rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
-                next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
-                next_obs = to_device(frames)
-                if "_episode" in info:  # every episode that ended in this step, not only the first
-                    episode_returns += info["episode"]["r"][info["_episode"]].tolist()
-                    episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
-            with torch.no_grad(), autocast():
-                next_value = policy(next_obs)[1].float()
-            rollout_time = time.time() - rollout_start
-            update_start = time.time()
-
-            # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
-            advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
-            returns = advantages + values
-            batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
-                         logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
-                         returns=returns.flatten(), values=values.flatten())
-            stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta)
-            stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
-            if args.policy_loss == "kl-penalty" and args.kl_beta is None:
-                kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
-            stats["explained_variance"] = (1 - (global_moments(returns - values)[1] / global_moments(returns)[1]) ** 2
-                                           ).item()
-            update_time = time.time() - update_start
-
-            # 4. Log: one row per iteration to metrics.jsonl (and wandb), one line to the console.
-            episode_returns = gather(episode_returns)  # every rank's episodes count
-            episode_lengths = gather(episode_lengths)
-            recent_returns.extend(episode_returns)
-            sps = (global_step - start_step) / (time.time() - start_time)
-            average = lambda xs: float(np.mean(xs)) if len(xs) else None
-            logger.log({"global_step": global_step, "iteration": iteration, "time": time.time() - start_time,
-                        "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                        "charts/episodes": len(episode_returns), "charts/episodic_return": average(episode_returns),
-                        "charts/episodic_length": average(episode_lengths),
-                        "charts/episodic_return_last100": average(recent_returns),
-                        **{f"losses/{key}": value for key, value in stats.items()},
-                        "time/rollout": rollout_time, "time/env": env_time, "time/update": update_time,
-                        "perf/gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
-                        else None})
-            completed = iteration
-            # PPG's ETA counts the auxiliary phases to come: from the last whole phase, or before the first from this
-            # iteration, with an auxiliary phase worth E_aux + 1/3 updates per iteration (its epochs and pi_old's pass).
-            aux_share = (args.e_aux + 1 / 3) / max(args.e_pi, args.e_v) if args.e_aux else 0
-            seconds_per_iteration = last_phase_time / args.n_pi if last_phase_time else \
-                rollout_time + update_time * (1 + aux_share)
-            eta = (num_iterations - iteration) * seconds_per_iteration / 60
-            print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} (rollout "
-                  f"{rollout_time:.1f}s: env {env_time:.1f}s; update {update_time:.1f}s) | ETA {eta:.1f} min | return "
-                  + (f"{average(episode_returns):.2f} ({len(episode_returns)} eps)" if episode_returns else "-")
-                  + f" | pg {stats['policy_loss']:.3f} v {stats['value_loss']:.3f} ent {stats['entropy']:.3f}"
-                  f" kl {stats['approx_kl']:.4f}", flush=True)
-
-            # PPG: "Add all (s_t, V_targ_t) to B"; after N_pi iterations, the auxiliary phase on B.
-            if args.e_aux:
-                stored = slice(num_stored * local_envs, (num_stored + 1) * local_envs)
-                aux_obs[stored] = obs.transpose(0, 1)
-                aux_value_targets[stored] = returns.transpose(0, 1)
-                num_stored += 1
-            if num_stored == args.n_pi:
-                aux_start = time.time()
-                aux_stats = auxiliary_phase(agent, forward_aux, aux_optimizer, aux_obs, aux_value_targets, args,
-                                            device, autocast)
-                num_stored = 0
-                aux_time = time.time() - aux_start
-                last_phase_time = time.time() - phase_start
-                logger.log({"global_step": global_step, "iteration": iteration, **aux_stats,
-                            "time/policy_phase": last_phase_time - aux_time, "time/aux_phase": aux_time})
-                print(f"aux phase: policy phase {last_phase_time - aux_time:.1f}s, aux phase {aux_time:.1f}s | "
-                      + " ".join(f"{key[4:]} {value:.4f}" for key, value in aux_stats.items()), flush=True)
-                phase_start = time.time()
-            if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
-                run_evaluation(iteration, global_step)
-            if args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-            stop = all_reduce_mean(torch.tensor(float(bool(interrupted)), device=device)) > 0  # any rank's signal
-            if stop and num_stored == 0:  # stops all at a phase boundary, with nothing half done
-                signum = interrupted[0] if interrupted else signal.SIGTERM
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), **checkpoint_state(iteration))
-                print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
-                      f"{run_dir}/checkpoint.pt; continue with --resume")
-                raise SystemExit(128 + signum)
-    except FloatingPointError as error:  # raised before the step that would have put a NaN into the weights
-        path = os.path.join(run_dir, "checkpoint_nonfinite.pt")
-        save_checkpoint(path, **checkpoint_state(completed))
-        raise SystemExit(f"error: {error} after iteration {completed}; the weights before that step are saved in "
-                         f"{path} (evaluate them with --eval-only --checkpoint; a new run with a lower "
-                         f"--learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        envs.close()
-        logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return run_dir
+# Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
+# on this project's 2-core VMs (README, Speed).
+CPU_NOTE = ("note: training on the CPU. On a 2-core CPU one phase at the defaults (32 iterations, then "
+            "the auxiliary phase) takes about 4.7 hours (estimated from measured iterations: 31 steps/s, so "
+            "25M steps take over a week). A run that finishes in about 6 minutes there: python ppg_procgen.py "
+            "--num-envs 16 --num-steps 64 --num-minibatches 4 --n-pi 4 --total-timesteps 16384. --amp "
+            "(bfloat16) ran PPO 1.8x faster on a CPU with AVX512-BF16.")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def ppg_case():
 
     def step(part):
         optimizer = torch.optim.SGD(agent.networks(), lr=1.0)
-        ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs[part], aux_value_targets[part], args,
+        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs[part], aux_value_targets[part], args,
                             torch.device("cpu"), contextlib.nullcontext)
         return torch.cat([p.detach().flatten() for p in agent.parameters()])
     return agent, step

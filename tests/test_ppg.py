@@ -55,7 +55,7 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_before, kl_before, value_before = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert kl_before == 0  # pi_old is the starting policy
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
                                 contextlib.nullcontext)
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
@@ -71,7 +71,7 @@ def test_kl_is_zero_when_nothing_moves():
     agent = ppg.Agent(args, num_actions=15)
     aux_obs, aux_returns = cue_buffer()
     optimizer = torch.optim.Adam(agent.parameters(), lr=0.0)
-    stats = ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
                                 contextlib.nullcontext)
     assert abs(stats["aux/kl"]) < 1e-7 and stats["aux/value_loss"] > 0.1
 
@@ -84,7 +84,7 @@ def test_gradient_accumulation_gives_the_same_step():
         args = tiny_args(e_aux=1, num_aux_rollouts=4, n_aux_grad_accum=accum)
         agent = ppg.Agent(args, num_actions=15)
         optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
-        ppg.auxiliary_phase(agent, agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
+        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
                                 contextlib.nullcontext)
         results.append(torch.cat([p.flatten() for p in agent.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
