@@ -11,6 +11,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import gzip
 import io
 import json
 import math
@@ -37,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from gymnasium.vector import AutoresetMode
-from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisodeStatistics
+from gymnasium.wrappers.vector import ClipReward, RecordEpisodeStatistics
 
 
 @dataclass
@@ -127,6 +128,8 @@ class Args:
     """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
+    on_track: bool = True
+    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
     """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
     track: bool = False
@@ -162,8 +165,7 @@ class Args:
 
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
-    the std of a running discounted return (discount --reward-norm-gamma) and clipped, as in the
-    Procgen baselines."""
+    the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
@@ -194,14 +196,12 @@ class ResidualBlock(nn.Module):
 
 class ImpalaCNN(nn.Module):
     """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a
-    stride-2 max-pool and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as
-    the env returns them."""
+    stride-2 max-pool, two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames."""
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
         self.channels_last = channels_last
-        # The PPG code's normed residual scale: the stacks share the variance, each over 2 blocks
-        # of two convs: sqrt(1/sqrt(len(channels))/sqrt(2)) per conv.
+        # The PPG code's normed residual scale: the stacks share the variance, 2 blocks of 2 convs.
         residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
         layers = []
         in_channels = 3
@@ -250,9 +250,7 @@ class Agent(nn.Module):
 
 
 def sample_action(logits, generator=None):
-    """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation. A thread that must not share torch's global RNG passes
-    its own `generator` (on the logits' device)."""
+    """Gumbel-max: argmax(logits + Gumbel noise) ~ softmax(logits), with no host sync; or `generator`'s."""
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
@@ -544,10 +542,9 @@ class Actor:
 
 
 def train(args):
-    run = Run(args)  # flags, torchrun, seeds, threads, the log; a checkpoint to resume
+    run = Run(args, split_threads=actor_learner_threads)  # as PPO's; the actor and learner share the cores
     args = run.args  # a resumed run continues with its checkpoint's flags
     device = run.device
-    split_threads_between_actor_and_learner(args, device)
     # One update per unroll of all games: an iteration is updates_per_iteration unrolls.
     steps_per_update = args.num_envs * args.unroll_length
     steps_per_iteration = args.updates_per_iteration * steps_per_update
@@ -573,9 +570,9 @@ def train(args):
     global_step = (run.start_iteration - 1) * steps_per_iteration
     # A signal stops after the current update, a non-finite gradient before its step; the actor first.
     failure_message = functools.partial(nonfinite_update_message, run)  # counted in updates
-    with run.guard(envs, on_stop=actor.stop, failure_message=failure_message):
+    start_step = version * steps_per_update  # SPS over this run's steps (it may resume mid-iteration)
+    with run.guard(envs, on_stop=actor.stop, failure_message=failure_message, start_step=start_step):
         actor.start()
-        run.start_step = version * steps_per_update  # SPS over this run's steps (from mid-iteration)
         for iteration in range(run.start_iteration, num_iterations + 1):
             run.anneal_learning_rate(iteration)
             # The iteration's record: empty, or that of a run stopped inside it (going on from there).
@@ -599,7 +596,7 @@ def train(args):
                 run.times["actor_play"] += unroll["actor_play"]  # and playing this unroll
                 # A signal stops here, all ranks after the same update (after the last one: at the
                 # iteration's end, with its row).
-                if update < args.updates_per_iteration - 1 and signal_caught(run):
+                if update < args.updates_per_iteration - 1 and run.signalled():
                     record = (lags, stats, episode_returns, episode_lengths)
                     stop_after_update(run, version * steps_per_update, record)
             global_step += steps_per_iteration
@@ -634,6 +631,61 @@ def normalized_score(env_id, distribution_mode, episodic_return):
         return None
     low, high = PROCGEN_RANGES[env_id][distribution_mode]
     return (episodic_return - low) / (high - low)
+
+
+ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG",
+                 "ppgsingle": "official PPG single-network", "ppgkl": "official PPG-KL",
+                 "easy-all": "official baselines PPO (easy-all)"}
+REFERENCES = {}  # benchmarks/reference's curves, read once
+
+
+def anchor_name(args):
+    """Which anchor's runs (benchmarks/reference/) this script and its flags reproduce, if any."""
+    script = os.path.basename(__file__)
+    if script == "ppo_procgen.py":
+        return "ppo"
+    if script != "ppg_procgen.py":
+        return None
+    if args.policy_loss == "kl-penalty":
+        return "ppgkl"
+    return {"dual": "ppg", "detach": "ppgsingle"}[args.arch]
+
+
+def reference_line(script_dir, env_id, distribution_mode, algorithm, global_step, our_return):
+    """'On track?': `our_return` at `global_step` against the anchors' seeds there, as
+    `benchmarks/results.py --on-track` prints it: their mean [min, max]. None where no reference
+    exists (PPO: easy = baselines' easy-all, hard = the PPG paper's PPO; PPG: hard only)."""
+    experiment = algorithm
+    source = "phasic_policy_gradient"
+    if (distribution_mode, algorithm) == ("easy", "ppo"):
+        experiment = "easy-all"
+        source = "train_procgen"
+    path = os.path.join(script_dir, "benchmarks", "reference", f"{source}.json.gz")
+    if algorithm is None or our_return is None or not os.path.exists(path):
+        return None
+    if distribution_mode != "hard" and experiment != "easy-all":
+        return None
+    if path not in REFERENCES:
+        with gzip.open(path, "rt") as f:
+            REFERENCES[path] = json.load(f)
+    data = REFERENCES[path]
+    values = []
+    for seed in data["experiments"].get(experiment, {}).get("seeds", []):
+        curve = data["curves"][seed].get(env_id, {"steps": [], "returns": []})
+        points = [(step, value) for step, value in zip(curve["steps"], curve["returns"]) if value is not None]
+        if not points or not points[0][0] <= global_step <= points[-1][0]:
+            return None
+        steps, returns = zip(*points)
+        values.append(float(np.interp(global_step, steps, returns)))
+    if not values:
+        return None
+    where = "within"
+    if our_return < min(values):
+        where = "below"
+    if our_return > max(values):
+        where = "above"
+    return (f"{env_id} @ {global_step / 1e6:.1f}M: ours {our_return:.1f} vs {ANCHOR_LABELS[experiment]} "
+            f"{np.mean(values):.1f} [{min(values):.1f}, {max(values):.1f}] ({where})")
 
 
 @torch.no_grad()
@@ -716,6 +768,34 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
+class NormalizeReward(gym.vector.VectorWrapper):
+    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
+    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
+    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
+    are `return_rms` (mean, var, count), as checkpoints keep them."""
+
+    def __init__(self, env, gamma, epsilon=1e-8):
+        super().__init__(env)
+        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
+        self.returns = np.zeros(self.num_envs)
+        self.gamma = gamma
+        self.epsilon = epsilon
+
+    def reset(self, *, seed=None, options=None):
+        self.returns = np.zeros(self.num_envs)  # fresh games
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.return_rms.update(self.returns)
+        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
+        return obs, reward, terminated, truncated, info
+
+
+
 class Run:
     """Everything a training run does besides its algorithm, for PPO, PPG and IMPALA alike. In the
     order `train` calls it: `Run(args)` checks the flags, loads a checkpoint to resume or evaluate,
@@ -723,9 +803,11 @@ class Run:
     `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
     loop, `timer` blocks, `log_iteration` and `end_iteration`."""
 
-    def __init__(self, args, prepare=None):
+    def __init__(self, args, prepare=None, split_threads=None):
         """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
-        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`."""
+        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`.
+        `split_threads(args, device) -> (env_threads, torch_threads)` replaces `thread_split` (IMPALA: its actor
+        and learner share the cores)."""
         check_args(args)
         self.checkpoint = None
         if args.resume or args.eval_only:
@@ -738,6 +820,19 @@ class Run:
         self.args = args
         self.rank, self.world_size, self.device = setup_distributed(args)
         self.local_envs = args.num_envs // self.world_size
+        self.start_iteration = 1
+        self.saved = None  # (iteration, path) of the last checkpoint written
+        if args.resume:
+            self.start_iteration = self.checkpoint["iteration"] + 1
+            self.saved = (self.checkpoint["iteration"], args.resume)
+            self.run_name = self.checkpoint["run_name"]
+            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
+            require(os.access(self.run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+        else:  # a directory no other run uses; an unwritable runs/ stops here, before anything big
+            eval_suffix = "__eval" if args.eval_only else ""
+            seconds = int(time.time())
+            base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
+            self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
         self.prepared = None
         if prepare is not None and not args.eval_only:
             self.prepared = prepare(args, self.device, self.world_size)
@@ -748,20 +843,11 @@ class Run:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         # Autotuned kernels are faster, not reproducible.
         torch.backends.cudnn.benchmark = not args.torch_deterministic
-        args.env_threads, torch_threads = thread_split(args, self.device)
+        if split_threads is None:
+            split_threads = thread_split
+        args.env_threads, torch_threads = split_threads(args, self.device)
         torch.set_num_threads(torch_threads)
-        self.start_iteration = 1
-        resume_iteration = None
-        if args.resume:
-            self.start_iteration = self.checkpoint["iteration"] + 1
-            resume_iteration = self.checkpoint["iteration"]
-            self.run_name = self.checkpoint["run_name"]
-            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
-        else:
-            self.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-            if args.eval_only:
-                self.run_name += "__eval"
-            self.run_dir = os.path.join("runs", self.run_name)
+        resume_iteration = self.start_iteration - 1 if args.resume else None
         self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
         self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
         # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
@@ -776,6 +862,7 @@ class Run:
         self.recent_returns = collections.deque(maxlen=100)
         self.interrupted = []
         self.on_stop = None
+        self.last_cycle_seconds = None  # between the last two `stage` ends (PPG: a phase)
 
     def count_iterations(self, steps_per_iteration):
         """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
@@ -850,35 +937,67 @@ class Run:
         self.times[name] += time.time() - start
 
     @contextlib.contextmanager
-    def guard(self, envs, on_stop=None, failure_message=None):
+    def stage(self, name, iteration, global_step, since=None):
+        """An algorithm's own stage between iterations (PPG: its auxiliary phase). The losses put in
+        the dict yielded go to a row of their own with time/<name> and, with `since`, time/<since>:
+        the seconds from the previous stage's end to this one's start; a console line shows both."""
+        stats = {}
+        start = time.time()
+        yield stats
+        seconds = {name: time.time() - start}
+        if since is not None:
+            seconds = {since: start - self.stage_end, **seconds}
+        self.last_cycle_seconds = time.time() - self.stage_end
+        self.logger.log({"global_step": global_step, "iteration": iteration, **stats,
+                         **{f"time/{key}": value for key, value in seconds.items()}})
+        timers = ", ".join(f"{key.replace('_', ' ')} {value:.1f}s" for key, value in seconds.items())
+        losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
+        print(f"{name.replace('_', ' ')}: {timers} | {losses}", flush=True)
+        self.stage_end = time.time()
+
+    @contextlib.contextmanager
+    def guard(self, envs, on_stop=None, failure_message=None, start_step=None):
         """Around the training loop: signals only ask to stop (see `catch_interrupt` and
         `end_iteration`); a non-finite gradient saves the weights before that step and exits with
         one line (`failure_message(error, path)` words it, where given); every exit closes the
         games, the log and the process group. `on_stop` ends threads of the algorithm's own
-        (IMPALA's actor) before any checkpoint is written and at the end."""
+        (IMPALA's actor) before any checkpoint is written and at the end. `start_step`: the steps
+        trained before this process started (a resumed run may have trained part of an iteration)."""
         self.interrupted = catch_interrupt()
         self.on_stop = on_stop
         self.start_time = time.time()
-        self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
+        self.stage_end = self.start_time
+        self.start_step = start_step
+        if start_step is None:
+            self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
         try:
             yield
         except FloatingPointError as error:  # raised before the step that would put a NaN in weights
             self.stop_threads()
             path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
-            save_checkpoint(path, **self.checkpoint_state(self.completed))
+            if not save_checkpoint(path, **self.checkpoint_state(self.completed)):
+                raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); "
+                                 f"{self.last_saved()}")
             if failure_message is not None:
                 raise SystemExit(failure_message(error, path))
             raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
                              f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
                              "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except KeyboardInterrupt:  # a second signal (`catch_interrupt`): stop at once, in one line
+            signum = self.interrupted[-1] if self.interrupted else signal.SIGINT
+            name = signal.Signals(signum).name
+            print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+            raise SystemExit(128 + signum)
+        finally:  # closing is short and bounded: a further signal must not cut it off half done
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.stop_threads()
             envs.close()
             self.logger.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def stop_threads(self):
         if self.on_stop is not None:
@@ -928,18 +1047,50 @@ class Run:
         args = self.args
         if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
             self.evaluate(iteration, global_step)
-        checkpoint_path = os.path.join(self.run_dir, "checkpoint.pt")
         if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+            # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
+            require(self.save(iteration) or iteration < self.num_iterations,
+                    f"the final checkpoint could not be written (see above); {self.last_saved()}")
+        if self.signalled() and may_stop:  # every rank asks every iteration; nothing is half done
+            self.stop(iteration)
+
+    def signalled(self):
+        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
+        stop: one all-reduce of a scalar under torchrun, nothing (no host sync) in one process."""
+        if not dist.is_initialized():
+            return bool(self.interrupted)
         caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
-        any_signal = all_reduce_mean(caught) > 0
-        if any_signal and may_stop:  # with nothing half done
-            signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
-            self.stop_threads()
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
-            print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
-                  f"{self.run_dir}/checkpoint.pt; continue with --resume")
-            raise SystemExit(128 + signum)
+        return bool(all_reduce_mean(caught) > 0)
+
+    def stop(self, iteration, what=None, **extra):
+        """A signal's stop: the algorithm's threads first, then a checkpoint of `iteration` with the
+        kept state and `extra` (entries that replace or add to it), then exit with 128 + the signal's
+        number. `what` words what was saved (default "iteration N")."""
+        signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
+        name = signal.Signals(signum).name
+        if what is None:
+            what = f"iteration {iteration}"
+        self.stop_threads()
+        if self.save(iteration, **extra):
+            print(f"interrupted by {name}: saved {what} to {self.run_dir}/checkpoint.pt; continue with --resume")
+        else:
+            print(f"interrupted by {name}: {what} could not be saved; {self.last_saved()}", flush=True)
+        raise SystemExit(128 + signum)
+
+    def save(self, iteration, **extra):
+        """checkpoint.pt for `iteration` (`extra`: entries that replace or add to `checkpoint_state`'s);
+        False (after one line) where the write failed."""
+        path = os.path.join(self.run_dir, "checkpoint.pt")
+        saved = save_checkpoint(path, **{**self.checkpoint_state(iteration), **extra})
+        if saved:
+            self.saved = (iteration, path)
+        return saved
+
+    def last_saved(self):
+        if self.saved is None:
+            return "no checkpoint of this run was saved"
+        iteration, path = self.saved
+        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
 
     def evaluate(self, iteration, global_step):
         """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
@@ -958,6 +1109,13 @@ class Run:
         print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
               + (f", normalized score {score:.3f}" if score is not None else "")
               + (f", video {video}" if video else ""))
+        if args.on_track and args.num_levels == 0 and self.rank == 0:
+            script_dir = os.path.dirname(os.path.abspath(__file__))
+            training_return = mean_or_none(self.recent_returns)
+            line = reference_line(script_dir, args.env_id, args.distribution_mode, anchor_name(args), global_step,
+                                  training_return)
+            if line is not None:
+                print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
     def evaluate_checkpoint(self):
         """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
@@ -966,6 +1124,28 @@ class Run:
         if dist.is_initialized():
             dist.destroy_process_group()
         return self.run_dir
+
+
+def create_run_dir(base_name, rank):
+    """runs/<base_name>, created exclusively by rank 0 and named alike on every rank: two runs
+    started at once with the same name (a sweep) never share a directory; the later one takes the
+    next free name, -2, -3, ... Returns (name, path); an unwritable runs/ fails with one line."""
+    outcome = [base_name, None]  # the name taken, or why none could be
+    suffix = 1
+    while rank == 0:
+        try:
+            os.makedirs(os.path.join("runs", outcome[0]))  # atomic: of two racing runs one succeeds
+            break
+        except FileExistsError:
+            suffix += 1
+            outcome[0] = f"{base_name}-{suffix}"
+        except OSError as error:  # read-only, no permission, runs is a file, ...
+            outcome[1] = f"cannot create the run directory runs/{outcome[0]}: {error.strerror}"
+            break
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    require(outcome[1] is None, outcome[1])
+    return outcome[0], os.path.join("runs", outcome[0])
 
 
 def mean_or_none(values):
@@ -1043,15 +1223,17 @@ def catch_interrupt():
     """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
     kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
     a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
-    update. A second signal stops at once (keeping the last checkpoint); under torchrun a process
-    gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so a repeat within 2 s
-    counts once. `train` restores the default handlers when it returns."""
+    update. A second signal stops at once, exit 128 + its number, with one line naming the last
+    checkpoint (`Run.guard`); under torchrun a process gets one Ctrl-C twice (from the terminal and
+    forwarded by torchrun), so a repeat within 2 s counts once. `Run.guard` restores the default
+    handlers when the loop ends."""
     requested = []
     first_time = []
 
     def handler(signum, frame):
         if requested and time.time() - first_time[0] > 2:
-            raise KeyboardInterrupt
+            requested.append(signum)
+            raise KeyboardInterrupt  # `Run.guard` ends the run with one line
         if requested:
             return
         requested.append(signum)
@@ -1084,7 +1266,7 @@ class Logger:
             purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
-        self.file = open(path, "a")
+        self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
         self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
         self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
@@ -1098,8 +1280,17 @@ class Logger:
     def log(self, row, video=None):
         if self.file is None:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        line = (json.dumps(row) + "\n").encode()
+        length = self.file.seek(0, os.SEEK_END)
+        try:  # one unbuffered write per row; a failed one is cut off again: no row is half there
+            written = self.file.write(line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of {len(line)} bytes")
+        except OSError as error:
+            self.file.truncate(length)
+            reason = error.strerror or error
+            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
+                  "the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
@@ -1134,11 +1325,28 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 
 def save_checkpoint(path, **state):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
-    plain data only, every rank's part gathered; rank 0 writes it."""
+    plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
+    prints one line with the file, the error and the size needed, leaves no temporary file and
+    returns False: the run goes on and retries at its next save (`Run.end_iteration`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
-        return
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+        return True
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return True
+    except (OSError, RuntimeError) as error:  # torch words a full disk as RuntimeError "unexpected"
+        needed = io.BytesIO()
+        torch.save(state, needed)
+        disk = os.statvfs(os.path.dirname(path) or ".")
+        free = disk.f_bavail * disk.f_frsize
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
+        print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
+              f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
+              flush=True)
+        return False
+    finally:  # also when a second signal interrupts the write
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def reward_statistics(normalizer):
@@ -1367,14 +1575,6 @@ def actor_learner_threads(args, device):
     return env_threads, torch_threads
 
 
-def split_threads_between_actor_and_learner(args, device):
-    """`Run` gives torch PPO's share of the cores (`thread_split`: all of them on CPU); the actor and the
-    learner run at the same time, so they split the CPU's cores instead (`actor_learner_threads`).
-    Procgen's share is the same in both, so only torch's thread count changes here."""
-    args.env_threads, torch_threads = actor_learner_threads(args, device)
-    torch.set_num_threads(torch_threads)
-
-
 def mean_over_updates(stats):
     """Each statistic's mean over the iteration's updates and over the ranks, as floats."""
     per_update = torch.stack([torch.stack(list(update.values())) for update in stats])
@@ -1394,38 +1594,18 @@ def policy_lag_columns(lags, max_policy_lag):
     return columns, note
 
 
-def signal_caught(run):
-    """Whether any rank caught a signal. Every rank asks after the same update, so all agree where to
-    stop: one all-reduce of a scalar under torchrun (next to the gradients' one), nothing in one
-    process (no collective, no host sync)."""
-    if not dist.is_initialized():
-        return bool(run.interrupted)
-    caught = torch.tensor(float(bool(run.interrupted)), device=run.device)
-    return bool(all_reduce_mean(caught) > 0)
-
-
 def stop_after_update(run, global_step, record):
-    """A signal's stop inside an iteration, `Run.end_iteration`'s stop between two updates: the actor
-    first, then a checkpoint of the iterations logged so far, of the updates trained since (the kept
-    `updates`; its `global_step` counts their steps) and of every rank's `record` of them (lags,
-    statistics, episodes: `unfinished_iteration` gives them back), then exit with 128 + the
-    signal's number."""
-    signum = run.interrupted[0] if run.interrupted else signal.SIGTERM
-    name = signal.Signals(signum).name
-    run.stop_threads()
+    """A signal's stop inside an iteration, between two updates: `Run.stop` with a checkpoint of the
+    iterations logged so far, of the updates trained since (the kept `updates`; `global_step` counts
+    their steps) and of every rank's `record` of them (lags, statistics, episodes:
+    `unfinished_iteration` gives them back)."""
     lags, stats, episode_returns, episode_lengths = record
     mine = {"lags": lags, "stats": [{key: float(value) for key, value in update.items()} for update in stats],
             "episode_returns": episode_returns, "episode_lengths": episode_lengths}
-    state = run.checkpoint_state(run.completed)
-    state.update(global_step=global_step, unfinished=gather([mine]))  # every rank's, for its resumed self
-    path = os.path.join(run.run_dir, "checkpoint.pt")
-    saved = (f"iteration {run.completed} and {len(stats)} of iteration {run.completed + 1}'s "
-             f"{run.args.updates_per_iteration} updates")
-    if save_checkpoint(path, **state) is False:  # a failed write (save_checkpoint said why, in one line)
-        print(f"interrupted by {name}: {saved} could not be saved", flush=True)
-    else:
-        print(f"interrupted by {name}: saved {saved} to {path}; continue with --resume", flush=True)
-    raise SystemExit(128 + signum)
+    unfinished = gather([mine])  # every rank's, for its resumed self
+    what = (f"iteration {run.completed} and {len(stats)} of iteration {run.completed + 1}'s "
+            f"{run.args.updates_per_iteration} updates")
+    run.stop(run.completed, what=what, global_step=global_step, unfinished=unfinished)
 
 
 def unfinished_iteration(run):
