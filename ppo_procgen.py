@@ -1346,7 +1346,7 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (README, Speed).
+# on this project's 2-core VMs (docs/speed.md).
 CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at 147 steps/s: 25M steps take 2 days. A run "
             "that finishes in about 6 minutes there: python ppo_procgen.py --num-envs 16 --num-steps 64 "
             "--num-minibatches 4 --total-timesteps 65536. --amp (bfloat16) ran 1.8x faster on a CPU with AVX512-BF16.")

@@ -81,7 +81,7 @@ class Args:
     anneal_lr: bool = False
     """decay the learning rate linearly to 0 over the run"""
     gamma: float = 0.999
-    """discount factor; also the discount of the reward normalizer's running return"""
+    """discount factor (the reward normalizer's running return has its own: --reward-norm-gamma)"""
     max_grad_norm: float = 0.5
     """global gradient-norm clip"""
     adam_eps: float = 1e-5
@@ -1449,7 +1449,7 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (README, Speed).
+# on this project's 2-core VMs (docs/speed.md).
 CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at about 290 steps/s: 25M steps take a day. A "
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 

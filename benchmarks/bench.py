@@ -91,7 +91,7 @@ def summarize(name, rounds):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--script", default="ppo_procgen.py", help="ppo_procgen.py or ppg_procgen.py")
+    parser.add_argument("--script", default="ppo_procgen.py", help="ppo_procgen.py, ppg_procgen.py or vtrace.py")
     parser.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                         help="a named flag set (repeatable); the first is the baseline of the ratios")
     parser.add_argument("--common", default="", help="flags added to every configuration")

@@ -71,7 +71,7 @@ case "$MODE" in
     # then 256 steps x 256 envs x 32 iterations of 64x64x3 uint8 frames = 24 GiB (on the GPU if it fits, else host).
     hard)
         MODE_FLAGS="--distribution-mode hard --total-timesteps ${TOTAL_TIMESTEPS:-100000000}"
-        # The paper's PPO baseline ran in the PPG code (README, "PPG, as implemented"): PPG's init, advantage and
+        # The paper's PPO baseline ran in the PPG code (docs/ppg.md): PPG's init, advantage and
         # reward normalization and optimizer; its own --exp-name keeps it apart from baselines PPO in results.py.
         # Its value loss is 0.5 * MSE (vfcoef 0.5 times the plain MSE, ppo.py); ours is vf_coef * 0.5 * MSE, hence
         # --vf-coef 1.0. Its minibatches are whole games (it permutes the envs and chunks them).

@@ -26,7 +26,7 @@ aggregate.md compares both with the same estimators at the same environment step
 
 The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice" (NeurIPS), as in
 their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch);
-README.md ("Why not rliable itself") records a cross-check against rliable 1.2.0.
+docs/scale-out.md (results section) records a cross-check against rliable 1.2.0.
 """
 import gzip
 import json

@@ -102,7 +102,7 @@ NEEDS = {
     "torchrun": {"test_distributed": ["test_two_ranks_*", "test_torchrun_sigterm_and_resume_end_to_end",
                                       "test_a_rank_that_raises_*"]},
     "cuda": {"test_speed": ["test_cuda_*"], "test_vtrace": ["test_cuda_*"],
-             "test_vtrace_learner": ["test_actor_and_learner_on_cuda_streams"]},
+             "test_vtrace_learner": ["test_actor_and_learner_on_cuda_streams", "test_cuda_*"]},
 }
 
 

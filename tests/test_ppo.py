@@ -19,7 +19,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 import ppo_procgen as ppo
 
-# Columns of every per-iteration row of runs/<run>/metrics.jsonl (documented in the README).
+# Columns of every per-iteration row of runs/<run>/metrics.jsonl (documented in docs/ppo.md).
 ITERATION_KEYS = {
     "global_step", "iteration", "time", "charts/SPS", "charts/learning_rate", "charts/episodes",
     "charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last100", "losses/policy_loss",
