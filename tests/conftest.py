@@ -96,6 +96,7 @@ NEEDS = {
                 "test_ppg": ["test_end_to_end_phase_checkpoint_resume"],
                 "test_vtrace_learner": ["test_end_to_end_interrupt_resume_and_eval_only"],
                 "test_reliability": ["test_damaged_foreign_and_old_checkpoints_fail_with_one_line"],
+                "test_preemption": ["test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint"],
                 "test_speed": ["test_fast_path_gives_the_plain_path_losses", "test_benchmark_harness_*",
                                "test_cuda_fast_path_*"],
                 "test_distributed": ["test_torchrun_sigterm_and_resume_end_to_end", "test_a_rank_that_raises_*"]},

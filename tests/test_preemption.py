@@ -185,3 +185,36 @@ def test_a_nonfinite_stop_whose_checkpoint_cannot_be_written_says_so(in_tmp, mon
     assert "could not write runs/" in capsys.readouterr().err
     (run_dir,) = os.listdir("runs")
     assert not [name for name in os.listdir(os.path.join("runs", run_dir)) if name.startswith("checkpoint")]
+
+
+def test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint(tmp_path):
+    """docs/scale-out.md's SLURM recipe for a shell that stays around the job: `trap` forwards the batch shell's
+    SIGTERM to Python, which saves and exits 143, and the shell returns that status. A real signal, real games."""
+    script = tmp_path / "job.sh"
+    script.write_text(
+        f"python {os.path.join(ppo.__file__)} --env-id coinrun --num-envs 2 --num-steps 16 --num-minibatches 2 "
+        "--update-epochs 1 --channels 4 --hidden-size 16 --eval-every 0 --total-timesteps 1000000 --save-model "
+        "--save-every 1000 --torch-threads 1 &\n"
+        'child=$!\ntrap \'kill -TERM "$child"\' TERM\nwait "$child"\nwait "$child"\n')
+    import subprocess
+    import sys
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "PYTHONUNBUFFERED": "1"}
+    shell = subprocess.Popen(["bash", str(script)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=env, start_new_session=True)
+    lines = []
+    try:
+        for line in shell.stdout:
+            lines.append(line)
+            if line.startswith("iter 3/"):
+                break
+        shell.send_signal(signal.SIGTERM)  # to the shell only, as `#SBATCH --signal=B:TERM` does
+        rest, _ = shell.communicate(timeout=60)
+    finally:  # without the trap Python never hears of it: end the whole job
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    assert shell.returncode == 143, "".join(lines) + rest
+    assert "interrupted by SIGTERM: saved iteration" in rest
+    (checkpoint,) = list((tmp_path / "runs").glob("*/checkpoint.pt"))
+    assert torch.load(checkpoint, weights_only=True)["iteration"] >= 3
