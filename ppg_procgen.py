@@ -1,15 +1,16 @@
 """Phasic Policy Gradient on Procgen (Cobbe et al. 2021, arXiv 2009.04416): a policy phase of N_pi
 PPO iterations trains separate policy and value networks; then an auxiliary phase distils value
-targets into the policy network while a KL term keeps the policy in place (diff it with PPO's).
+targets into the policy network while a KL term keeps the policy in place (diff it with PPO's), with
+the IMPALA-CNN and reward normalization of the Procgen benchmark (Cobbe et al. 2020, 1912.01588).
 
 Run:  python ppg_procgen.py --env-id starpilot          (all flags: python ppg_procgen.py --help)
 Read top to bottom: the environment, the network, the algorithm's pieces, then `train`, the story;
-the appendix below `train` is plumbing (evaluation, torchrun, logging, checkpoints, signals, flag
-checks). """
+the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
 import collections
 import contextlib
 import datetime
 import functools
+import gzip
 import io
 import json
 import math
@@ -26,15 +27,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so
-# imported later (torch.optim imports it on first use) it would keep the group and gloo's threads
-# alive past destroy_process_group, and such a thread can abort the process as it exits.
+# Before any process group exists: imported later (torch.optim does on first use) it would keep
+# group.WORLD and gloo's threads alive past destroy_process_group, which can abort the exit.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from gymnasium.vector import AutoresetMode
-from gymnasium.wrappers.vector import ClipReward, NormalizeReward, RecordEpisodeStatistics
+from gymnasium.wrappers.vector import ClipReward, RecordEpisodeStatistics
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Args:
     num_minibatches: int = 8
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
-    """N_pi: policy iterations (each a rollout and its update) per phase, before an auxiliary one"""
+    """N_pi: policy iterations per phase before an auxiliary one (phases from iteration 1: any --save-every)"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
     e_v: int = 1
@@ -65,7 +65,7 @@ class Args:
     num_aux_rollouts: Optional[int] = None
     """whole rollouts per auxiliary minibatch, all ranks; None: the PPG code's 4 per 64 games"""
     arch: Literal["dual", "detach"] = "dual"
-    """'dual': separate policy and value networks (the paper); 'detach': one trunk (see `Agent`)"""
+    """'dual': two networks (paper); 'detach': one trunk as the PPG code, not paper 3.6 (`Agent`)"""
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
@@ -73,23 +73,25 @@ class Args:
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
-    """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is not)"""
+    """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = float("inf")
-    """gradient-norm clip of each network on its own; PPG code: none (inf); CleanRL's PPG: 0.5"""
+    """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
-    """clip: stop the update after an epoch whose mean approximate KL (so far) exceeds this (None:
-    never); kl-penalty: d_targ, the KL that beta is adapted towards (the PPO paper's best: 0.01)"""
+    """clip: stop an update after an epoch whose mean approximate KL passes this; kl-penalty: d_targ"""
     kl_beta: Optional[float] = None
-    """kl-penalty's beta: None starts at 1 and, after each update, halves it when KL < d_targ / 1.5
-    and doubles it when KL > 1.5 d_targ (PPO paper, section 4); a number keeps beta fixed"""
+    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper, section 4: `adapt_kl_beta`)"""
+    kl_estimator: Literal["exact", "official"] = "exact"
+    """kl-penalty's KL: 'exact' (PPO paper), or 'official' (PPG code; --kl-beta 1: results/ppgkl)"""
+    minibatch_unit: Literal["frames", "games"] = "games"
+    """minibatches of random frames (CleanRL, baselines) or of whole games (the PPG code; see `minibatches`)"""
     adam_eps: float = 1e-8
-    """Adam epsilon (the PPG code and CleanRL's PPG: PyTorch's default; baselines PPO uses 1e-5)"""
+    """Adam epsilon (baselines PPO: 1e-5; the PPG code and CleanRL's PPG: PyTorch's default 1e-8)"""
     reward_norm_gamma: float = 0.99
-    """discount of the running return whose std divides the rewards (PPG code; CleanRL: 0.999)"""
+    """discount of the running return whose std divides the rewards (CleanRL: 0.999; the PPG code: 0.99)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -125,6 +127,8 @@ class Args:
     """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
+    on_track: bool = True
+    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
     """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
     track: bool = False
@@ -155,7 +159,7 @@ class Args:
     compile: bool = False
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes (losses stay float32); off: unstable in CleanRL's PPG"""
+    """bfloat16 autocast of the forward passes (losses stay float32); off, as in the papers (CleanRL's PPG: unstable)"""
     aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
     """where the auxiliary buffer lives: on the GPU when it fits ('auto'), else pinned host RAM"""
     n_aux_grad_accum: int = 1
@@ -164,8 +168,7 @@ class Args:
 
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
-    the std of a running discounted return (discount --reward-norm-gamma) and clipped, as in the
-    Procgen baselines."""
+    the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
@@ -196,14 +199,12 @@ class ResidualBlock(nn.Module):
 
 class ImpalaCNN(nn.Module):
     """IMPALA's deep network (Espeholt et al. 2018, Fig. 3): per entry of `channels` a conv, a
-    stride-2 max-pool and two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames as
-    the env returns them."""
+    stride-2 max-pool, two residual blocks; then a ReLU dense layer. Takes uint8 NHWC frames."""
 
     def __init__(self, channels, hidden_size, init, channels_last=True):
         super().__init__()
         self.channels_last = channels_last
-        # The PPG code's normed residual scale: the stacks share the variance, each over 2 blocks
-        # of two convs: sqrt(1/sqrt(len(channels))/sqrt(2)) per conv.
+        # The PPG code's normed residual scale: the stacks share the variance, 2 blocks of 2 convs.
         residual_scale = (1 / len(channels) ** 0.5 / 2**0.5) ** 0.5
         layers = []
         in_channels = 3
@@ -238,9 +239,8 @@ def make_head(in_features, out_features, std, init):
 
 
 class Agent(nn.Module):
-    """PPG's networks. 'dual': a policy network theta_pi (trunk, policy and auxiliary value heads)
-    and a value network theta_V, so value training cannot reshape the policy's features. 'detach':
-    one trunk; the value head reads detached features (the PPG code's single-network variant)."""
+    """'dual': policy network theta_pi (trunk, policy and aux value heads), value network theta_V.
+    'detach': the PPG code's one trunk, V on detached features in both phases (not paper 3.6's)."""
 
     def __init__(self, args, num_actions):
         super().__init__()
@@ -253,8 +253,7 @@ class Agent(nn.Module):
             self.value_trunk = ImpalaCNN(args.channels, args.hidden_size, args.init, args.channels_last)
 
     def forward(self, obs):
-        logits, value, _ = self.forward_aux(obs)
-        return logits, value
+        return self.forward_aux(obs)[:2]
 
     def forward_aux(self, obs):
         hidden = self.trunk(obs)
@@ -270,9 +269,7 @@ class Agent(nn.Module):
 
 
 def sample_action(logits, generator=None):
-    """Gumbel-max sampling: argmax(logits + Gumbel noise) ~ softmax(logits); no host sync, unlike
-    torch.distributions' argument validation. A thread that must not share torch's global RNG passes
-    its own `generator` (on the logits' device)."""
+    """Gumbel-max: argmax(logits + Gumbel noise) ~ softmax(logits), with no host sync; or `generator`'s."""
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
@@ -284,13 +281,11 @@ def log_prob_entropy(logits, actions):
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors.
-
-    dones[t] = 1 means obs[t] is the first frame of a new episode, so step t-1 was an episode's last
-    step: its TD error must not look past it. The rollout's last step bootstraps from V(next_obs).
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 16) on [T, N] tensors. dones[t]
+    = 1: obs[t] starts a new episode, so step t-1's TD error must not look past it; the rollout's
+    last step bootstraps from V(next_obs).
       delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_{t+1}) - V(s_t)
-      A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}
-    """
+      A_t     = delta_t + gamma * lambda * (1 - done_{t+1}) * A_{t+1}"""
     advantages = torch.zeros_like(rewards)
     last_advantage = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[0])):
@@ -308,10 +303,16 @@ def categorical_kl(old_logits, logits):
     return (old_log_probs.exp() * (old_log_probs - F.log_softmax(logits, dim=-1))).sum(-1)
 
 
+def penalty_kl(old_logits, logits, log_ratio, estimator):
+    """The per-sample KL(pi_old || pi): exact, or the PPG code's 1/2 (log r)^2 ('official')."""
+    if estimator == "official":  # the sampled action's second-order estimate
+        return 0.5 * log_ratio**2
+    return categorical_kl(old_logits, logits.float())
+
+
 def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
-    """PPO's surrogate objective on one minibatch, negated to be minimized; ratio r = pi(a|s) /
-    pi_old(a|s) and kl the per-state KL(pi_old || pi). Both keep the new policy near pi_old, the
-    policy that collected the data:
+    """PPO's surrogate objective on one minibatch, negated; r = pi(a|s) / pi_old(a|s), kl the
+    per-state KL(pi_old || pi) (`penalty_kl`). Both keep pi near pi_old, which collected the data:
       'clip'       (PPO Eq. 7): L = E[min(r A, clip(r, 1 - eps, 1 + eps) A)]
       'kl-penalty' (PPO Eq. 8): L = E[r A - beta KL(pi_old(.|s) || pi(.|s))]"""
     if kind == "kl-penalty":
@@ -320,9 +321,8 @@ def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
 
 
 def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
-    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value may
-    not move more than clip_coef from its rollout value: the larger of the clipped and the unclipped
-    squared error counts."""
+    """0.5 E[(V(s) - V_targ)^2]. With clip_vloss (baselines PPO; not in the PPO paper) the value
+    may not move more than clip_coef from its rollout value: the larger squared error counts."""
     squared_error = (new_value - returns) ** 2
     if clip_vloss:
         clipped_value = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
@@ -340,10 +340,9 @@ def adapt_kl_beta(kl_beta, kl, target_kl):
 
 
 def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
-    """PPO on one rollout `batch` (flat tensors). The policy loss runs for `epochs_pi` epochs and
-    the value loss for `epochs_v` (PPO: both = update_epochs; PPG's policy phase: E_pi and E_V).
-    Returns mean statistics; "kl" is the exact KL(pi_old || pi) averaged over the last epoch's
-    minibatches (measured before each step)."""
+    """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
+    loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
+    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update."""
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -353,10 +352,8 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     stats = {}
     steps_taken = 0  # minibatch steps over all epochs so far: a KL early stop ends the update early
     for epoch in range(max(epochs_pi, epochs_v)):
-        permutation = torch.randperm(batch_size, device=batch["obs"].device)
         epoch_kl = 0.0
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = permutation[start : start + minibatch_size]
+        for minibatch in minibatches(batch_size, args, batch["obs"].device):
             with autocast():
                 logits, new_value = agent(batch["obs"][minibatch])
             new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][minibatch])
@@ -366,13 +363,12 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 mb_advantages = (mb_advantages - mean) / (std + 1e-8)
             log_ratio = new_log_prob - batch["log_probs"][minibatch]
             ratio = log_ratio.exp()
-            kl = categorical_kl(batch["logits"][minibatch], logits.float())
+            kl = penalty_kl(batch["logits"][minibatch], logits, log_ratio, args.kl_estimator)
             pg_loss = policy_loss(ratio, mb_advantages, kl, args.policy_loss, args.clip_coef, kl_beta)
             v_loss = value_loss(new_value.float(), batch["values"][minibatch], batch["returns"][minibatch],
                                 args.clip_coef, args.clip_vloss)
             # PPO Eq. 9: L = -L_policy + c1 L_VF - c2 S. A term outside its epochs is left out of
-            # the graph, so its parameters get no gradient (a zero gradient would still move them
-            # through Adam's momentum).
+            # the graph: its parameters get no gradient (a zero one would still move them in Adam).
             loss = 0.0
             if epoch < epochs_pi:
                 loss = pg_loss - args.ent_coef * entropy.mean()
@@ -399,6 +395,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
             break
     stats = {key: value / steps_taken for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
+    if args.policy_loss == "kl-penalty":  # PPO section 4 adapts beta to the KL the update reached
+        with torch.no_grad(), autocast():
+            logits = torch.cat([agent(obs)[0].float() for obs in batch["obs"].split(minibatch_size)])
+        log_ratio = log_prob_entropy(logits, batch["actions"])[0] - batch["log_probs"]
+        stats["kl_after"] = penalty_kl(batch["logits"], logits, log_ratio, args.kl_estimator).mean()
     return dict(zip(stats, all_reduce_mean(torch.stack(list(stats.values()))).tolist()))
 
 
@@ -411,40 +412,40 @@ def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone
     return aux_value_loss + beta_clone * kl + true_value_loss, (aux_value_loss, kl, true_value_loss)
 
 
-def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast):
-    """PPG Algorithm 1's auxiliary phase on B, whole rollouts: aux_obs [R, T, 64, 64, 3] and
-    aux_value_targets [R, T] (V_targ from when each was collected); forward_aux may be compiled."""
-    num_rollouts = aux_obs.shape[0]
+def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast, *,
+                    stop_requested=None):
+    """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their V_targ
+    in aux_value_targets [R, T]; `stop_requested()`, true after a minibatch, ends it (`stop_check`)."""
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
-    # "Compute and store current policy pi_old(.|s_t) for all states s_t in B", before any step.
-    old_logits = []
+    old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
-        for start in range(0, num_rollouts, rollouts_per_minibatch):
-            obs = aux_obs[start : start + rollouts_per_minibatch].to(device, non_blocking=True)
-            old_logits.append(forward_aux(obs.flatten(0, 1))[0].float())
+        for obs in aux_obs.split(rollouts_per_minibatch):  # pinned views: asynchronous copies
+            old_logits.append(forward_aux(obs.to(device, non_blocking=True).flatten(0, 1))[0].float())
+            if stop_requested is not None and stop_requested():  # before any step: a phase left out
+                return {}
     old_logits = torch.cat(old_logits).unflatten(0, aux_obs.shape[:2])  # [R, T, actions]
     totals = torch.zeros(3, device=device)
     steps_taken = 0
-    for epoch in range(args.e_aux):  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
-        permutation = torch.randperm(num_rollouts, device=aux_obs.device)
-        for start in range(0, num_rollouts, rollouts_per_minibatch):
-            optimizer.zero_grad(set_to_none=True)
-            minibatch = permutation[start : start + rollouts_per_minibatch]
-            for chunk in minibatch.chunk(args.n_aux_grad_accum):  # weighted: sizes may differ
-                obs = aux_obs[chunk].to(device, non_blocking=True).flatten(0, 1)
-                value_targets = aux_value_targets[chunk].to(device, non_blocking=True).flatten()
-                with autocast():
-                    logits, value, aux_value = forward_aux(obs)
-                loss, parts = ppg_aux_loss(logits.float(), old_logits[chunk].flatten(0, 1), value.float(),
-                                           aux_value.float(), value_targets, args.beta_clone)
-                (loss * len(chunk) / len(minibatch)).backward()
-                totals += torch.stack(parts).detach() * len(chunk) / len(minibatch)
-            average_gradients(optimizer)
-            grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
-            if not torch.isfinite(grad_norms).all():  # stop before a NaN reaches the weights
-                raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
-            optimizer.step()
-            steps_taken += 1
+    schedule = [(epoch, minibatch) for epoch in range(args.e_aux)  # each epoch a new shuffle of B
+                for minibatch in torch.randperm(len(aux_obs), device=aux_obs.device).split(rollouts_per_minibatch)]
+    for epoch, minibatch in schedule:  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
+        optimizer.zero_grad(set_to_none=True)
+        for chunk in minibatch.chunk(args.n_aux_grad_accum):  # weighted: sizes may differ
+            obs, value_targets = rollouts_to_device((aux_obs, aux_value_targets), chunk, device)
+            with autocast():
+                logits, value, aux_value = forward_aux(obs.flatten(0, 1))
+            loss, parts = ppg_aux_loss(logits.float(), old_logits[chunk].flatten(0, 1), value.float(),
+                                       aux_value.float(), value_targets.flatten(), args.beta_clone)
+            (loss * len(chunk) / len(minibatch)).backward()
+            totals += torch.stack(parts).detach() * len(chunk) / len(minibatch)
+        average_gradients(optimizer)
+        grad_norms = clip_grad_norms(optimizer, args.max_grad_norm)
+        if not torch.isfinite(grad_norms).all():  # stop before a NaN reaches the weights
+            raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
+        optimizer.step()
+        steps_taken += 1
+        if stop_requested is not None and stop_requested():  # the rest of the phase is skipped
+            break
     means = all_reduce_mean(totals / max(steps_taken, 1)).tolist()
     return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
 
@@ -477,15 +478,13 @@ def train(args):
     if args.e_aux:  # PPG's buffer B: the phase's whole rollouts, rollout-major (frames and V_targ)
         aux_obs = torch.empty((args.n_pi * local_envs, args.num_steps, 64, 64, 3), dtype=torch.uint8,
                               **run.prepared)  # where it fits: see aux_buffer_device
-        aux_value_targets = torch.empty(aux_obs.shape[:2], device=aux_obs.device)
-    num_stored = 0  # iterations in B
+        aux_value_targets = torch.empty(aux_obs.shape[:2], **run.prepared)
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
-    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # one per phase, as the PPG code
+    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # as the PPG code
     kl_beta = run.resume(envs.env, optimizers=optimizers, kl_beta=kl_beta)["kl_beta"]
     next_obs = frames_to_device(envs.reset(seed=run.env_seed)[0])
     next_done = torch.zeros(local_envs, device=device)
     global_step = (run.start_iteration - 1) * batch_size
-    phases = PhaseClock(run)  # PPG's own ETA and auxiliary-phase log
     with run.guard(envs):  # signals stop at an iteration's end; a non-finite gradient stops
         for iteration in range(run.start_iteration, num_iterations + 1):
             run.anneal_learning_rate(iteration)
@@ -525,28 +524,28 @@ def train(args):
                 batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
                              logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
                              returns=returns.flatten(), values=values.flatten())
-                stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta)
+                stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast,
+                                   kl_beta)
                 stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
                 if args.policy_loss == "kl-penalty" and args.kl_beta is None:
-                    kl_beta = adapt_kl_beta(kl_beta, stats["kl"], args.target_kl)
+                    kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
                 stats["explained_variance"] = explained_variance(returns, values)
 
             # 4. Log; then evaluate, save a checkpoint or stop where the flags or a signal ask.
             run.log_iteration(iteration, global_step, episode_returns, episode_lengths, stats,
-                              seconds_per_iteration=phases.seconds_per_iteration())
-            # PPG: "Add all (s_t, V_targ_t) to B"; after N_pi iterations, the auxiliary phase on B.
-            if args.e_aux:
-                stored = slice(num_stored * local_envs, (num_stored + 1) * local_envs)
-                aux_obs[stored] = obs.transpose(0, 1)
-                aux_value_targets[stored] = returns.transpose(0, 1)
-                num_stored += 1
-            if num_stored == args.n_pi:
+                              seconds_per_iteration=phase_seconds_per_iteration(run))
+            if args.e_aux:  # PPG: "Add all (s_t, V_targ_t) to B"; each N_pi iterations, the phase
+                stored = (iteration - 1) % args.n_pi * local_envs  # phases count from iteration 1
+                aux_obs[stored : stored + local_envs] = obs.transpose(0, 1)
+                aux_value_targets[stored : stored + local_envs] = returns.transpose(0, 1)
+            if args.e_aux and iteration % args.n_pi == 0:
                 run.keep(kl_beta=kl_beta)  # for a non-finite auxiliary step to save
-                with phases.auxiliary(iteration, global_step) as aux_stats:  # timed and logged
-                    aux_stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs,
-                                                     aux_value_targets, args, device, autocast))
-                num_stored = 0
-            run.end_iteration(iteration, global_step, may_stop=num_stored == 0, kl_beta=kl_beta)
+                kept = min(args.n_pi, iteration - run.start_iteration + 1) * local_envs
+                with run.stage("aux_phase", iteration, global_step, since="policy_phase") as aux_stats:
+                    aux_stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-kept:],
+                                                     aux_value_targets[-kept:], args, device, autocast,
+                                                     stop_requested=stop_check(run)))
+            run.end_iteration(iteration, global_step, kl_beta=kl_beta)
     return run.run_dir
 
 
@@ -570,6 +569,61 @@ def normalized_score(env_id, distribution_mode, episodic_return):
         return None
     low, high = PROCGEN_RANGES[env_id][distribution_mode]
     return (episodic_return - low) / (high - low)
+
+
+ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG",
+                 "ppgsingle": "official PPG single-network", "ppgkl": "official PPG-KL",
+                 "easy-all": "official baselines PPO (easy-all)"}
+REFERENCES = {}  # benchmarks/reference's curves, read once
+
+
+def anchor_name(args):
+    """Which anchor's runs (benchmarks/reference/) this script and its flags reproduce, if any."""
+    script = os.path.basename(__file__)
+    if script == "ppo_procgen.py":
+        return "ppo"
+    if script != "ppg_procgen.py":
+        return None
+    if args.policy_loss == "kl-penalty":
+        return "ppgkl"
+    return {"dual": "ppg", "detach": "ppgsingle"}[args.arch]
+
+
+def reference_line(script_dir, env_id, distribution_mode, algorithm, global_step, our_return):
+    """'On track?': `our_return` at `global_step` against the anchors' seeds there, as
+    `benchmarks/results.py --on-track` prints it: their mean [min, max]. None where no reference
+    exists (PPO: easy = baselines' easy-all, hard = the PPG paper's PPO; PPG: hard only)."""
+    experiment = algorithm
+    source = "phasic_policy_gradient"
+    if (distribution_mode, algorithm) == ("easy", "ppo"):
+        experiment = "easy-all"
+        source = "train_procgen"
+    path = os.path.join(script_dir, "benchmarks", "reference", f"{source}.json.gz")
+    if algorithm is None or our_return is None or not os.path.exists(path):
+        return None
+    if distribution_mode != "hard" and experiment != "easy-all":
+        return None
+    if path not in REFERENCES:
+        with gzip.open(path, "rt") as f:
+            REFERENCES[path] = json.load(f)
+    data = REFERENCES[path]
+    values = []
+    for seed in data["experiments"].get(experiment, {}).get("seeds", []):
+        curve = data["curves"][seed].get(env_id, {"steps": [], "returns": []})
+        points = [(step, value) for step, value in zip(curve["steps"], curve["returns"]) if value is not None]
+        if not points or not points[0][0] <= global_step <= points[-1][0]:
+            return None
+        steps, returns = zip(*points)
+        values.append(float(np.interp(global_step, steps, returns)))
+    if not values:
+        return None
+    where = "within"
+    if our_return < min(values):
+        where = "below"
+    if our_return > max(values):
+        where = "above"
+    return (f"{env_id} @ {global_step / 1e6:.1f}M: ours {our_return:.1f} vs {ANCHOR_LABELS[experiment]} "
+            f"{np.mean(values):.1f} [{min(values):.1f}, {max(values):.1f}] ({where})")
 
 
 @torch.no_grad()
@@ -652,6 +706,33 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
+class NormalizeReward(gym.vector.VectorWrapper):
+    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
+    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
+    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
+    are `return_rms` (mean, var, count), as checkpoints keep them."""
+
+    def __init__(self, env, gamma, epsilon=1e-8):
+        super().__init__(env)
+        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
+        self.returns = np.zeros(self.num_envs)
+        self.gamma = gamma
+        self.epsilon = epsilon
+
+    def reset(self, *, seed=None, options=None):
+        self.returns = np.zeros(self.num_envs)  # fresh games
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.return_rms.update(self.returns)
+        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
+        return obs, reward, terminated, truncated, info
+
+
 class FramesToDevice:
     """The games' frames onto the device; on CUDA through a pinned staging buffer, copied asynchronously."""
 
@@ -673,9 +754,11 @@ class Run:
     `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
     loop, `timer` blocks, `log_iteration` and `end_iteration`."""
 
-    def __init__(self, args, prepare=None):
+    def __init__(self, args, prepare=None, split_threads=None):
         """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
-        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`."""
+        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`.
+        `split_threads(args, device) -> (env_threads, torch_threads)` replaces `thread_split` (IMPALA: its actor
+        and learner share the cores)."""
         check_args(args)
         self.checkpoint = None
         if args.resume or args.eval_only:
@@ -688,9 +771,22 @@ class Run:
         self.args = args
         self.rank, self.world_size, self.device = setup_distributed(args)
         self.local_envs = args.num_envs // self.world_size
-        self.prepared = None
+        self.start_iteration = 1
+        self.prepared = None  # before the run directory: a refusal leaves nothing behind
         if prepare is not None and not args.eval_only:
             self.prepared = prepare(args, self.device, self.world_size)
+        self.saved = None  # (iteration, path) of the last checkpoint written
+        if args.resume:
+            self.start_iteration = self.checkpoint["iteration"] + 1
+            self.saved = (self.checkpoint["iteration"], args.resume)
+            self.run_name = self.checkpoint["run_name"]
+            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
+            require(os.access(self.run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+        else:  # a directory no other run uses; an unwritable runs/ stops here, before anything big
+            eval_suffix = "__eval" if args.eval_only else ""
+            seconds = int(time.time())
+            base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
+            self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
         # Each rank its own actions and minibatches (and its own levels).
         random.seed(args.seed + self.rank)
         np.random.seed(args.seed + self.rank)
@@ -698,20 +794,11 @@ class Run:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         # Autotuned kernels are faster, not reproducible.
         torch.backends.cudnn.benchmark = not args.torch_deterministic
-        args.env_threads, torch_threads = thread_split(args, self.device)
+        if split_threads is None:
+            split_threads = thread_split
+        args.env_threads, torch_threads = split_threads(args, self.device)
         torch.set_num_threads(torch_threads)
-        self.start_iteration = 1
-        resume_iteration = None
-        if args.resume:
-            self.start_iteration = self.checkpoint["iteration"] + 1
-            resume_iteration = self.checkpoint["iteration"]
-            self.run_name = self.checkpoint["run_name"]
-            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
-        else:
-            self.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-            if args.eval_only:
-                self.run_name += "__eval"
-            self.run_dir = os.path.join("runs", self.run_name)
+        resume_iteration = self.start_iteration - 1 if args.resume else None
         self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
         self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
         # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
@@ -726,6 +813,7 @@ class Run:
         self.recent_returns = collections.deque(maxlen=100)
         self.interrupted = []
         self.on_stop = None
+        self.last_cycle_seconds = None  # between the last two `stage` ends (PPG: a phase)
 
     def count_iterations(self, steps_per_iteration):
         """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
@@ -800,35 +888,67 @@ class Run:
         self.times[name] += time.time() - start
 
     @contextlib.contextmanager
-    def guard(self, envs, on_stop=None, failure_message=None):
+    def stage(self, name, iteration, global_step, since=None):
+        """An algorithm's own stage between iterations (PPG: its auxiliary phase). The losses put in
+        the dict yielded go to a row of their own with time/<name> and, with `since`, time/<since>:
+        the seconds from the previous stage's end to this one's start; a console line shows both."""
+        stats = {}
+        start = time.time()
+        yield stats
+        seconds = {name: time.time() - start}
+        if since is not None:
+            seconds = {since: start - self.stage_end, **seconds}
+        self.last_cycle_seconds = time.time() - self.stage_end
+        self.logger.log({"global_step": global_step, "iteration": iteration, **stats,
+                         **{f"time/{key}": value for key, value in seconds.items()}})
+        timers = ", ".join(f"{key.replace('_', ' ')} {value:.1f}s" for key, value in seconds.items())
+        losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
+        print(f"{name.replace('_', ' ')}: {timers} | {losses}", flush=True)
+        self.stage_end = time.time()
+
+    @contextlib.contextmanager
+    def guard(self, envs, on_stop=None, failure_message=None, start_step=None):
         """Around the training loop: signals only ask to stop (see `catch_interrupt` and
         `end_iteration`); a non-finite gradient saves the weights before that step and exits with
         one line (`failure_message(error, path)` words it, where given); every exit closes the
         games, the log and the process group. `on_stop` ends threads of the algorithm's own
-        (IMPALA's actor) before any checkpoint is written and at the end."""
+        (IMPALA's actor) before any checkpoint is written and at the end. `start_step`: the steps
+        trained before this process started (a resumed run may have trained part of an iteration)."""
         self.interrupted = catch_interrupt()
         self.on_stop = on_stop
         self.start_time = time.time()
-        self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
+        self.stage_end = self.start_time
+        self.start_step = start_step
+        if start_step is None:
+            self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
         try:
             yield
         except FloatingPointError as error:  # raised before the step that would put a NaN in weights
             self.stop_threads()
             path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
-            save_checkpoint(path, **self.checkpoint_state(self.completed))
+            if not save_checkpoint(path, **self.checkpoint_state(self.completed)):
+                raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); "
+                                 f"{self.last_saved()}")
             if failure_message is not None:
                 raise SystemExit(failure_message(error, path))
             raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
                              f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
                              "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except KeyboardInterrupt:  # a second signal (`catch_interrupt`): stop at once, in one line
+            signum = self.interrupted[-1] if self.interrupted else signal.SIGINT
+            name = signal.Signals(signum).name
+            print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+            raise SystemExit(128 + signum)
+        finally:  # closing is short and bounded: a further signal must not cut it off half done
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.stop_threads()
             envs.close()
             self.logger.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def stop_threads(self):
         if self.on_stop is not None:
@@ -878,18 +998,50 @@ class Run:
         args = self.args
         if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
             self.evaluate(iteration, global_step)
-        checkpoint_path = os.path.join(self.run_dir, "checkpoint.pt")
         if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
+            # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
+            require(self.save(iteration) or iteration < self.num_iterations,
+                    f"the final checkpoint could not be written (see above); {self.last_saved()}")
+        if self.signalled() and may_stop:  # every rank asks every iteration; nothing is half done
+            self.stop(iteration)
+
+    def signalled(self):
+        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
+        stop: one all-reduce of a scalar under torchrun, nothing (no host sync) in one process."""
+        if not dist.is_initialized():
+            return bool(self.interrupted)
         caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
-        any_signal = all_reduce_mean(caught) > 0
-        if any_signal and may_stop:  # with nothing half done
-            signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
-            self.stop_threads()
-            save_checkpoint(checkpoint_path, **self.checkpoint_state(iteration))
-            print(f"interrupted by {signal.Signals(signum).name}: saved iteration {iteration} to "
-                  f"{self.run_dir}/checkpoint.pt; continue with --resume")
-            raise SystemExit(128 + signum)
+        return bool(all_reduce_mean(caught) > 0)
+
+    def stop(self, iteration, what=None, **extra):
+        """A signal's stop: the algorithm's threads first, then a checkpoint of `iteration` with the
+        kept state and `extra` (entries that replace or add to it), then exit with 128 + the signal's
+        number. `what` words what was saved (default "iteration N")."""
+        signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
+        name = signal.Signals(signum).name
+        if what is None:
+            what = f"iteration {iteration}"
+        self.stop_threads()
+        if self.save(iteration, **extra):
+            print(f"interrupted by {name}: saved {what} to {self.run_dir}/checkpoint.pt; continue with --resume")
+        else:
+            print(f"interrupted by {name}: {what} could not be saved; {self.last_saved()}", flush=True)
+        raise SystemExit(128 + signum)
+
+    def save(self, iteration, **extra):
+        """checkpoint.pt for `iteration` (`extra`: entries that replace or add to `checkpoint_state`'s);
+        False (after one line) where the write failed."""
+        path = os.path.join(self.run_dir, "checkpoint.pt")
+        saved = save_checkpoint(path, **{**self.checkpoint_state(iteration), **extra})
+        if saved:
+            self.saved = (iteration, path)
+        return saved
+
+    def last_saved(self):
+        if self.saved is None:
+            return "no checkpoint of this run was saved"
+        iteration, path = self.saved
+        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
 
     def evaluate(self, iteration, global_step):
         """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
@@ -908,6 +1060,13 @@ class Run:
         print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
               + (f", normalized score {score:.3f}" if score is not None else "")
               + (f", video {video}" if video else ""))
+        if args.on_track and args.num_levels == 0 and self.rank == 0:
+            script_dir = os.path.dirname(os.path.abspath(__file__))
+            training_return = mean_or_none(self.recent_returns)
+            line = reference_line(script_dir, args.env_id, args.distribution_mode, anchor_name(args), global_step,
+                                  training_return)
+            if line is not None:
+                print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
     def evaluate_checkpoint(self):
         """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
@@ -918,82 +1077,91 @@ class Run:
         return self.run_dir
 
 
+def create_run_dir(base_name, rank):
+    """runs/<base_name>, created exclusively by rank 0 and named alike on every rank: two runs
+    started at once with the same name (a sweep) never share a directory; the later one takes the
+    next free name, -2, -3, ... Returns (name, path); an unwritable runs/ fails with one line."""
+    outcome = [base_name, None]  # the name taken, or why none could be
+    suffix = 1
+    while rank == 0:
+        try:
+            os.makedirs(os.path.join("runs", outcome[0]))  # atomic: of two racing runs one succeeds
+            break
+        except FileExistsError:
+            suffix += 1
+            outcome[0] = f"{base_name}-{suffix}"
+        except OSError as error:  # read-only, no permission, runs is a file, ...
+            outcome[1] = f"cannot create the run directory runs/{outcome[0]}: {error.strerror}"
+            break
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    require(outcome[1] is None, outcome[1])
+    return outcome[0], os.path.join("runs", outcome[0])
+
+
+def minibatches(batch_size, args, device):
+    """One epoch's minibatches of a flat [num_steps * num_games] batch (index t * num_games + n), by
+    --minibatch-unit: random frames, or every step of num_games / num_minibatches random games."""
+    num_games = batch_size // args.num_steps
+    if args.minibatch_unit == "frames":
+        return torch.randperm(batch_size, device=device).split(batch_size // args.num_minibatches)
+    games = torch.randperm(num_games, device=device).split(num_games // args.num_minibatches)
+    steps = torch.arange(0, batch_size, num_games, device=device)  # t * num_games
+    return [(steps[:, None] + group[None, :]).flatten() for group in games]
+
+
 def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
 
 
-# PPG's own plumbing: where its auxiliary buffer fits, each rank's minibatch, its ETA and its log.
 def prepare_phases(args, device, world_size):
-    """`Run`'s hook: torch.empty's keywords for the auxiliary buffer (None: no auxiliary phases)."""
+    """`Run`'s hook: where B goes (docs/ppg.md, "Stopping": what a checkpoint keeps of a phase)."""
+    leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi  # PPG code: up
+    if leftover and args.e_aux:
+        print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
     return aux_buffer_device(args, device, world_size) if args.e_aux else None
 
 
 def aux_buffer_device(args, device, world_size):
-    """torch.empty's keywords for each rank's auxiliary buffer (N_pi x its num_envs / ranks rollouts of
-    num_steps uint8 frames, 6.4 GB at the defaults; value targets, pi_old logits), estimated before
-    anything is allocated and refused if it cannot fit; in host memory pinned, for async copies."""
+    """torch.empty's keywords for B if it fits (6.4 GB at the defaults; pinned: 2^n bytes, 8 GiB)"""
     needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-    on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and needed < 0.5 * free)
+    on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and device.type == "cuda"
+                                              and needed < 0.5 * available_memory(device))
     where = device if on_device else torch.device("cpu")
-    if where.type == "cpu":  # shared by the ranks of one machine
-        free = available_host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    pinned = where.type == "cpu" and device.type == "cuda"
+    needed = 2 ** math.ceil(math.log2(needed)) if pinned else needed
+    free = available_memory(where)
     require(needed <= 0.8 * free, f"the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per rank "
             f"(--n-pi {args.n_pi} x --num-envs {args.num_envs} / {world_size} ranks x --num-steps "
             f"{args.num_steps} frames) but only {free / 2**30:.1f} GiB of {where.type} memory is free per "
             "rank; lower --n-pi or --num-envs, or set --aux-buffer")
-    return {"device": where, "pin_memory": where.type == "cpu" and device.type == "cuda"}
+    return {"device": where, "pin_memory": pinned}
 
 
-def available_host_memory():
-    """Bytes to be had without swapping: Linux's MemAvailable (elsewhere unknown: inf)."""
-    if not os.path.exists("/proc/meminfo"):
-        return float("inf")
-    with open("/proc/meminfo") as f:  # a line "MemAvailable:  123456 kB"
-        return next((int(line.split()[1]) * 1024 for line in f if "MemAvailable" in line), float("inf"))
+def rollouts_to_device(buffers, index, device):
+    """buffer[index] of each buffer on the device; pinned ones via pinned blocks (docs/ppg.md)."""
+    if not buffers[0].is_pinned():
+        return [buffer[index].to(device, non_blocking=True) for buffer in buffers]
+    blocks = [torch.empty((len(index), *b.shape[1:]), dtype=b.dtype, pin_memory=True) for b in buffers]
+    return [torch.index_select(b, 0, index, out=block).to(device, non_blocking=True) for b, block in zip(buffers, blocks)]
 
 
 def aux_rollouts_per_rank(args, world_size=None):
-    """Each rank's share of an auxiliary minibatch (world_size: by default this run's ranks):
-    --num-aux-rollouts / ranks, or the PPG code's 4 whole rollouts per 64 games (at least 1)."""
-    if world_size is None:
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    """Each rank's share of an auxiliary minibatch: --num-aux-rollouts / ranks, or 4 per 64 games"""
+    world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     if args.num_aux_rollouts is not None:
         return args.num_aux_rollouts // world_size
     return max(1, args.num_envs // world_size // 16)
 
 
-class PhaseClock:
-    """PPG's timing: the ETA counts the auxiliary phases to come; each auxiliary phase writes a row
-    (its mean losses, both phases' seconds) and a console line."""
+def stop_check(run):  # what the auxiliary phase asks after each minibatch, all ranks alike
+    return run.signalled
 
-    def __init__(self, run):
-        self.run, self.phase_start, self.last_phase_time = run, time.time(), None
-        leftover = run.num_iterations % run.args.n_pi
-        if leftover and run.args.e_aux:  # an auxiliary phase costs no env steps: phases are whole
-            print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
 
-    def seconds_per_iteration(self):
-        """Before a whole phase, an auxiliary phase counts as E_aux + 1/3 updates: its epochs, pi_old's pass."""
-        args = self.run.args
-        if self.last_phase_time:
-            return self.last_phase_time / args.n_pi
-        aux_share = (args.e_aux + 1 / 3) / max(args.e_pi, args.e_v) if args.e_aux else 0
-        return self.run.times["rollout"] + self.run.times["update"] * (1 + aux_share)
-
-    @contextlib.contextmanager
-    def auxiliary(self, iteration, global_step):
-        """Times the auxiliary phase inside, which puts its losses in the dict yielded."""
-        aux_stats, aux_start = {}, time.time()
-        yield aux_stats
-        aux_time = time.time() - aux_start
-        self.last_phase_time = time.time() - self.phase_start
-        policy_time = self.last_phase_time - aux_time
-        self.run.logger.log({"global_step": global_step, "iteration": iteration, **aux_stats,
-                             "time/policy_phase": policy_time, "time/aux_phase": aux_time})
-        losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in aux_stats.items())
-        print(f"aux phase: policy phase {policy_time:.1f}s, aux phase {aux_time:.1f}s | {losses}", flush=True)
-        self.phase_start = time.time()
+def phase_seconds_per_iteration(run):  # for the ETA; before a cycle, an aux phase as E_aux + 1/3 updates
+    aux_share = (run.args.e_aux + 1 / 3) / max(run.args.e_pi, run.args.e_v) if run.args.e_aux else 0
+    estimate = run.times["rollout"] + run.times["update"] * (1 + aux_share)
+    return run.last_cycle_seconds / run.args.n_pi if run.last_cycle_seconds else estimate
 
 
 def setup_distributed(args):
@@ -1079,19 +1247,34 @@ def thread_split(args, device):
     return env_threads, torch_threads
 
 
+def available_memory(device):
+    """Bytes this rank may use on `device` without swapping: the GPU's free memory, or the host's
+    MemAvailable (Linux; elsewhere unknown: inf) shared by the ranks of one machine."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if "MemAvailable" in line:  # given in KiB
+                    return int(line.split()[1]) * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return float("inf")
+
+
 def catch_interrupt():
     """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
     kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
     a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
-    update. A second signal stops at once (keeping the last checkpoint); under torchrun a process
-    gets one Ctrl-C twice (from the terminal and forwarded by torchrun), so a repeat within 2 s
-    counts once. `train` restores the default handlers when it returns."""
+    update. A second signal stops at once, exit 128 + its number, with one line naming the last
+    checkpoint (`Run.guard`); under torchrun a process gets one Ctrl-C twice (from the terminal and
+    forwarded by torchrun), so a repeat within 2 s counts once. `Run.guard` restores the default
+    handlers when the loop ends."""
     requested = []
     first_time = []
 
     def handler(signum, frame):
         if requested and time.time() - first_time[0] > 2:
-            raise KeyboardInterrupt
+            requested.append(signum)
+            raise KeyboardInterrupt  # `Run.guard` ends the run with one line
         if requested:
             return
         requested.append(signum)
@@ -1124,7 +1307,7 @@ class Logger:
             purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
-        self.file = open(path, "a")
+        self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
         self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
         self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
@@ -1138,8 +1321,17 @@ class Logger:
     def log(self, row, video=None):
         if self.file is None:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        line = (json.dumps(row) + "\n").encode()
+        length = self.file.seek(0, os.SEEK_END)
+        try:  # one unbuffered write per row; a failed one is cut off again: no row is half there
+            written = self.file.write(line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of {len(line)} bytes")
+        except OSError as error:
+            self.file.truncate(length)
+            reason = error.strerror or error
+            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
+                  "the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
@@ -1174,11 +1366,28 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 
 def save_checkpoint(path, **state):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
-    plain data only, every rank's part gathered; rank 0 writes it."""
+    plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
+    prints one line with the file, the error and the size needed, leaves no temporary file and
+    returns False: the run goes on and retries at its next save (`Run.end_iteration`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
-        return
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+        return True
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return True
+    except (OSError, RuntimeError) as error:  # torch words a full disk as RuntimeError "unexpected"
+        needed = io.BytesIO()
+        torch.save(state, needed)
+        disk = os.statvfs(os.path.dirname(path) or ".")
+        free = disk.f_bavail * disk.f_frsize
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
+        print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
+              f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
+              flush=True)
+        return False
+    finally:  # also when a second signal interrupts the write
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def reward_statistics(normalizer):
@@ -1262,8 +1471,7 @@ def check_args(args):
                  non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
                                "ent_coef", "vf_coef", "kl_beta"),
                  fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
-    check_ranges(args, positive=("n_pi", "num_aux_rollouts", "n_aux_grad_accum"),
-                 non_negative=("e_aux", "beta_clone"))
+    check_ranges(args, positive=("n_pi", "num_aux_rollouts", "n_aux_grad_accum"), non_negative=("e_aux", "beta_clone"))
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
     require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
             "ranks: each rank steps num_envs / ranks games")
@@ -1272,13 +1480,15 @@ def check_args(args):
             f"--num-minibatches {args.num_minibatches} must divide the batch size {batch_size} (num_envs * num_steps"
             f"{f' / {world_size} ranks' if world_size > 1 else ''}); try one of "
             f"{[d for d in (1, 2, 4, 8, 16, 32) if batch_size % d == 0]}")
+    local_envs = args.num_envs // world_size
+    require(args.minibatch_unit == "frames" or local_envs % args.num_minibatches == 0,
+            f"--minibatch-unit games splits each rank's {local_envs} envs into --num-minibatches "
+            f"{args.num_minibatches} equal groups: make it a divisor of {local_envs}")
     require(args.total_timesteps >= args.num_envs * args.num_steps, f"--total-timesteps {args.total_timesteps} is "
             f"less than one iteration (num_envs * num_steps = {args.num_envs * args.num_steps})")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
             "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
-    require(args.save_every % args.n_pi == 0, f"--save-every {args.save_every} must be a multiple of --n-pi "
-            f"{args.n_pi}: checkpoints are written at phase boundaries, where the auxiliary buffer is empty")
     require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0,
             f"--num-aux-rollouts {args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
     rollouts = aux_rollouts_per_rank(args, world_size)
@@ -1291,12 +1501,9 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (README, Speed).
-CPU_NOTE = ("note: training on the CPU. On a 2-core CPU one phase at the defaults (32 iterations, then "
-            "the auxiliary phase) takes about 4.7 hours (estimated from measured iterations: 31 steps/s, so "
-            "25M steps take over a week). A run that finishes in about 6 minutes there: python ppg_procgen.py "
-            "--num-envs 16 --num-steps 64 --num-minibatches 4 --n-pi 4 --total-timesteps 16384. --amp "
-            "(bfloat16) ran PPO 1.8x faster on a CPU with AVX512-BF16.")
+# on this project's 2-core VMs (docs/speed.md).
+CPU_NOTE = ("note: training on the CPU. On a 2-core CPU a phase at the defaults takes 4.7 hours (31 steps/s). 6 minutes: "
+            "python ppg_procgen.py --num-envs 16 --num-steps 64 --num-minibatches 4 --n-pi 4 --total-timesteps 16384")
 
 
 if __name__ == "__main__":

@@ -673,6 +673,9 @@ class Run:
         self.rank, self.world_size, self.device = setup_distributed(args)
         self.local_envs = args.num_envs // self.world_size
         self.start_iteration = 1
+        self.prepared = None  # before the run directory: a refusal leaves nothing behind
+        if prepare is not None and not args.eval_only:
+            self.prepared = prepare(args, self.device, self.world_size)
         self.saved = None  # (iteration, path) of the last checkpoint written
         if args.resume:
             self.start_iteration = self.checkpoint["iteration"] + 1
@@ -685,9 +688,6 @@ class Run:
             seconds = int(time.time())
             base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
             self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
-        self.prepared = None
-        if prepare is not None and not args.eval_only:
-            self.prepared = prepare(args, self.device, self.world_size)
         # Each rank its own actions and minibatches (and its own levels).
         random.seed(args.seed + self.rank)
         np.random.seed(args.seed + self.rank)

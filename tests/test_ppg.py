@@ -119,7 +119,7 @@ def test_value_only_epochs_leave_the_policy_network_alone():
     """E_V > E_pi: in the extra value epochs the policy network gets no gradient at all, so Adam's momentum cannot
     move it either: its weights end exactly where E_V = E_pi leaves them."""
     torch.manual_seed(3)
-    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2)
+    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2, minibatch_unit="frames")  # a batch of frames
     agent = ppg.Agent(args, num_actions=15)
     batch = tiny_batch(agent)
     policy_weights = []
@@ -142,7 +142,8 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     monkeypatch.setattr(ppo, "Agent", ppg.Agent)
     common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
                   channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed",
-                  max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99)
+                  max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99,
+                  minibatch_unit="games")
     ppo_args = ppo.Args(**common, update_epochs=1)
     ppo_args.arch = "detach"  # what PPG's Agent reads
     ppg_rows = read_rows(ppg.train(ppg.Args(**common, e_pi=1, e_v=1, e_aux=0, n_pi=2, save_every=2, arch="detach")))
@@ -160,12 +161,15 @@ def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
                                          r"is free per rank"):
         ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
-    assert not os.path.exists("runs")
+    assert not os.path.exists("runs")  # `prepare` refuses before the run directory exists: nothing left behind
 
 
 def test_bad_ppg_flags_fail_at_once():
-    with pytest.raises(SystemExit, match="--save-every 100 must be a multiple of --n-pi 32"):
-        ppg.check_args(ppg.Args(save_every=100))
+    # A checkpoint inside a phase resumes at its place in the phase (issue 21), so --save-every is free (issue 17).
+    ppg.check_args(ppg.Args(save_every=100))
+    ppg.check_args(ppg.Args(save_every=100, save_model=True))
+    with pytest.raises(SystemExit, match="--minibatch-unit games splits each rank's 64 envs into --num-minibatches 128"):
+        ppg.check_args(ppg.Args(num_minibatches=128))
     with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide the 4 rollouts of each rank's auxiliary"):
         ppg.check_args(ppg.Args(n_aux_grad_accum=3))
     with pytest.raises(SystemExit, match="--e-v 0 must be > 0"):
@@ -295,24 +299,140 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     assert result.returncode == 0 and "eval @ 128 steps" in result.stdout, result.stderr
 
 
-def test_ctrl_c_stops_at_the_next_phase_boundary(cue_env, in_tmp, monkeypatch):
-    """The first Ctrl-C lets the phase finish (its auxiliary phase included), then saves: the checkpoint is always at a
-    phase boundary, where the auxiliary buffer is empty."""
+PHASES = dict(env_id="coinrun", total_timesteps=12 * 32, num_envs=4, num_steps=8, num_minibatches=2, channels=(4,),
+              hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3)
+
+
+def signal_on_call(monkeypatch, name, call, signum=signal.SIGTERM):
+    """Wrap ppg.<name> so that its `call`-th call sends this process `signum` (then runs as usual); returns the calls."""
+    function, calls = getattr(ppg, name), []
+
+    def wrapped(*arguments, **keywords):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signum)
+        return function(*arguments, **keywords)
+
+    monkeypatch.setattr(ppg, name, wrapped)
+    return calls
+
+
+def resume_to_the_end(monkeypatch, path):
+    """Resume `path` without signals; returns the run's rows and the buffer size of each auxiliary phase."""
+    path = os.path.abspath(path)
+    monkeypatch.undo()  # the signal-sending wrappers, and the working directory too
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(path))))
+    aux_phase, rollouts = ppg.auxiliary_phase, []
+
+    def recording(*arguments, **keywords):
+        rollouts.append(arguments[2].shape[0])
+        return aux_phase(*arguments, **keywords)
+
+    monkeypatch.setattr(ppg, "auxiliary_phase", recording)
+    monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **kwargs: CueEnv(num_envs))
+    rows = read_rows(ppg.train(ppg.Args(resume=path)))
+    return rows, rollouts
+
+
+def test_ctrl_c_stops_at_the_end_of_the_current_policy_iteration(cue_env, in_tmp, monkeypatch):
+    """The first Ctrl-C in the middle of a policy phase stops at the end of that iteration (issue 21; it used to wait
+    for the phase's end): the checkpoint is that iteration's, and nothing of the auxiliary buffer is in it."""
+    cue_env(ppg)
+    signal_on_call(monkeypatch, "ppo_update", 4, signal.SIGINT)  # in iteration 4, the first of the second phase
+    with pytest.raises(SystemExit, match="130"):
+        ppg.train(ppg.Args(**PHASES))
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["iteration"] == 4 and not any("aux" in key and key != "aux_optimizer" for key in checkpoint)
+    rows = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3]
+
+
+def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in_tmp, monkeypatch):
+    """SIGTERM in iteration 5 (the second of the second phase): exit 143 after iteration 5. The resumed run keeps the
+    phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9, 12); the interrupted phase's
+    auxiliary phase sees only the rollouts collected after the resume (iteration 6's 4), the later ones all 12."""
+    cue_env(ppg)
+    signal_on_call(monkeypatch, "ppo_update", 5)
+    with pytest.raises(SystemExit) as stop:
+        ppg.train(ppg.Args(**PHASES))
+    assert stop.value.code == 143
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    assert torch.load(path, weights_only=True)["iteration"] == 5
+    before = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in before if "losses/policy_loss" in r] == [1, 2, 3, 4, 5]
+    rows, rollouts = resume_to_the_end(monkeypatch, path)
+    assert rows[: len(before)] == before  # every trained iteration's row is kept
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
+    assert rollouts == [4, 12, 12] and rows[-1]["global_step"] == 12 * 32
+
+
+def test_sigterm_in_an_auxiliary_phase_stops_after_the_current_minibatch(cue_env, in_tmp, monkeypatch):
+    """SIGTERM during the first auxiliary phase (12 one-rollout minibatches): it ends after the current minibatch, its
+    row is written, the checkpoint is iteration 3's, and the resumed run starts the next policy phase (the phase cut
+    short counts as done)."""
+    cue_env(ppg)
+    calls = signal_on_call(monkeypatch, "ppg_aux_loss", 2)
+    with pytest.raises(SystemExit) as stop:
+        ppg.train(ppg.Args(**PHASES))
+    assert stop.value.code == 143 and len(calls) == 2  # the minibatch under way was finished, no further one began
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    assert torch.load(path, weights_only=True)["iteration"] == 3
+    before = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in before if "aux/kl" in r] == [3]
+    rows, rollouts = resume_to_the_end(monkeypatch, path)
+    assert rows[: len(before)] == before
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
+    assert rollouts == [12, 12, 12] and rows[-1]["global_step"] == 12 * 32
+
+
+def test_nonfinite_checkpoint_inside_a_phase_resumes_like_a_stop(cue_env, in_tmp, monkeypatch):
+    """checkpoint_nonfinite.pt written in iteration 5 holds iteration 4; resumed, it keeps the phase boundaries."""
     cue_env(ppg)
     update, calls = ppg.ppo_update, []
 
-    def update_then_ctrl_c(*arguments):
+    def failing_update(*arguments, **keywords):
         calls.append(1)
-        if len(calls) == 4:  # in iteration 4, the first of the second phase
-            os.kill(os.getpid(), signal.SIGINT)
-        return update(*arguments)
+        if len(calls) == 5:
+            raise FloatingPointError("non-finite loss nan or gradient in epoch 0")
+        return update(*arguments, **keywords)
 
-    monkeypatch.setattr(ppg, "ppo_update", update_then_ctrl_c)
-    args = ppg.Args(env_id="coinrun", total_timesteps=12 * 32, num_envs=4, num_steps=8, num_minibatches=2,
-                    channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3)
-    with pytest.raises(SystemExit, match="130"):
-        ppg.train(args)
-    (path,) = glob.glob("runs/*/checkpoint.pt")
-    assert torch.load(path, weights_only=True)["iteration"] == 6
-    rows = read_rows(os.path.dirname(path))
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6]
+    monkeypatch.setattr(ppg, "ppo_update", failing_update)
+    with pytest.raises(SystemExit, match="after iteration 4"):
+        ppg.train(ppg.Args(**PHASES))
+    (path,) = glob.glob("runs/*/checkpoint_nonfinite.pt")
+    rows, rollouts = resume_to_the_end(monkeypatch, path)
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
+    assert rollouts == [8, 12, 12] and rows[-1]["global_step"] == 12 * 32
+
+
+def test_pinned_buffer_counts_the_allocators_power_of_two(monkeypatch):
+    """The pinned host allocator rounds a block up to a power of two: the default 6.4 GB buffer takes 8 GiB (issue 21),
+    and that is what the memory check counts (unpinned, on a CPU run, it counts 6.0 GiB)."""
+    monkeypatch.setattr(ppg, "available_memory", lambda device: 2**30)
+    for device, gib in ((torch.device("cuda"), "8.0"), (torch.device("cpu"), "6.0")):  # CUDA is not touched
+        with pytest.raises(SystemExit, match=f"needs {gib} GiB per rank"):
+            ppg.aux_buffer_device(ppg.Args(aux_buffer="cpu"), device, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_buffer_minibatches_copy_asynchronously_and_intact():
+    """A host buffer's minibatches reach the GPU through pinned blocks: the copies do not wait for the GPU, and a block
+    is not reused while a copy out of it is still queued (the stream is held back by a sleep to widen the window)."""
+    import time
+    device = torch.device("cuda")
+    buffer = torch.arange(64 * 1024, dtype=torch.float32).view(64, 1024).pin_memory()
+    indices = [torch.randperm(64)[:8] for _ in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2 * 10**9)  # about a second of GPU time queued before the copies
+    start = time.time()
+    copies = [ppg.rollouts_to_device((buffer,), index, device)[0] for index in indices]
+    host_seconds = time.time() - start
+    assert not torch.cuda.current_stream().query()  # the sleep still runs: the copies were only queued
+    torch.cuda.synchronize()
+    assert host_seconds < 0.2, host_seconds
+    for index, copy_ in zip(indices, copies):
+        assert torch.equal(copy_.cpu(), buffer[index])
