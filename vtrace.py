@@ -1340,6 +1340,8 @@ def save_checkpoint(path, **state):
         disk = os.statvfs(os.path.dirname(path) or ".")
         free = disk.f_bavail * disk.f_frsize
         reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
+        if free < needed.tell():  # torch's own words for it are "unexpected pos"
+            reason = "no space left on the device"
         print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
               f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
               flush=True)
