@@ -1,7 +1,8 @@
-"""A tiny pixel task for the graders' learning check (a copy of the tests' CueEnv, so that exercises/ needs nothing
-from tests/). Each 64x64 frame is filled with one of `num_cues` colours; action k earns reward 1 iff k is the colour's
-index, so random play (15 actions) earns 1/15 per step, 8/15 ~ 0.53 per episode of 8 steps, and a solved task 8.
-Same autoreset contract as the scripts' ProcgenVecEnv: SAME_STEP, never truncated."""
+"""A tiny pixel task for the graders' learning check, and the tests' CueEnv (tests/conftest.py imports
+it; exercises/ needs nothing from tests/). Each 64x64 frame is filled with one of `num_cues` colours;
+action k earns reward 1 iff k is the colour's index, so random play (15 actions) earns 1/15 per step,
+8/15 ~ 0.53 per episode of 8 steps, and a solved task 8. Same autoreset contract as the scripts'
+ProcgenVecEnv: SAME_STEP, never truncated."""
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
