@@ -28,7 +28,6 @@ The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Sta
 their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch);
 docs/scale-out.md (results section) records a cross-check against rliable 1.2.0.
 """
-import gzip
 import json
 import os
 import sys
@@ -45,6 +44,9 @@ import tyro  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from ppo_procgen import PROCGEN_RANGES, normalized_score  # noqa: E402  (one table of ranges for the whole repo)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference"))
+from on_track import (format_step, load_references, match_references, no_match_reason,  # noqa: E402,F401
+                      on_track_line, reference_at)
 
 LABELS = {"ppo_procgen": "PPO", "ppg_procgen": "PPG", "vtrace": "IMPALA"}  # exp_name defaults: the script stems
 ORDER = {label: index for index, label in enumerate(LABELS.values())}  # PPO, PPG, IMPALA, then the others by name
@@ -274,124 +276,14 @@ def run_score_and_step(run, score):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference runs: the anchors' committed curves (benchmarks/reference/, built by build_reference.py there)
-
-REFERENCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference")
-REFERENCE_FILES = {"phasic_policy_gradient": "phasic_policy_gradient.json.gz", "train_procgen": "train_procgen.json.gz"}
-OFFICIAL_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG", "ppgsingle": "official PPG single-network",
-                   "ppgkl": "official PPG-KL"}
-PPG_DEFAULTS = {"n_pi": (32, "n-pi"), "e_pi": (1, "e-pi"), "e_aux": (6, "e-aux")}  # flag: (default, ablation folder)
-
-
-@dataclass
-class Reference:
-    key: str  # "<file>/<experiment>", e.g. "phasic_policy_gradient/ppg"
-    label: str  # as tables and figures name it, e.g. "official PPG"
-    description: str
-    mode: str
-    num_levels: int
-    split: str  # "train" (the return on the training levels) or "test" (train-procgen's test worker)
-    curves: dict  # {game: [(steps, returns) of each seed]}
-
-
-_REFERENCES = {}
-
-
-def load_references(folder=REFERENCE_DIR):
-    """{key: Reference} from the .json.gz files in `folder` (read once); {} where they are missing."""
-    if folder in _REFERENCES:
-        return _REFERENCES[folder]
-    references = {}
-    for stem, name in REFERENCE_FILES.items():
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            continue
-        with gzip.open(path, "rt") as f:
-            data = json.load(f)
-        for experiment, meta in data["experiments"].items():
-            if stem == "phasic_policy_gradient":
-                flag, value = experiment.rsplit("-", 1) if "-" in experiment else (experiment, "")
-                symbol = {"e-pi": "E_pi", "e-aux": "E_aux", "n-pi": "N_pi"}.get(flag, flag)
-                label = OFFICIAL_LABELS.get(experiment, f"official PPG ({symbol} = {value})")
-            else:
-                label = f"official baselines PPO ({experiment})"
-            curves = {}
-            for seed in meta["seeds"]:
-                for game, curve in data["curves"][seed].items():
-                    returns = np.array([np.nan if value is None else value for value in curve["returns"]])
-                    kept = ~np.isnan(returns)
-                    curves.setdefault(game, []).append((np.array(curve["steps"], dtype=float)[kept], returns[kept]))
-            references[f"{stem}/{experiment}"] = Reference(f"{stem}/{experiment}", label, meta["description"],
-                                                           meta["mode"], meta["num_levels"], meta["split"], curves)
-    _REFERENCES[folder] = references
-    return references
-
-
-def match_references(args):
-    """(keys for the training return, keys for the evaluation return) of the reference experiments that ran what this
-    run runs, best match first; empty where none did. The match: the script (PPO or PPG, whatever --exp-name), the
-    distribution mode and number of training levels, and for PPG --arch, --policy-loss and N_pi / E_pi / E_aux:
-    - ppo_procgen.py, clipped loss: train-procgen's baselines PPO, easy-all / easy-200 / hard-all / hard-500 (with
-      --num-levels 200 or 500 the evaluation, on unseen levels, is matched with the test worker); in hard mode on all
-      levels also the PPG paper's PPO baseline, first when the run uses PPG's --init normed or --adv-norm batch;
-    - ppg_procgen.py, hard mode, all levels: --policy-loss kl-penalty -> ppgkl, --arch detach -> ppgsingle, else ppg;
-      with one of N_pi, E_pi, E_aux changed (and the rest at the defaults), the official one-seed ablation of it."""
-    script = os.path.basename(args.get("script") or f"{args.get('exp_name', '')}.py")
-    mode = args.get("distribution_mode")
-    levels = args.get("num_levels", 0)
-    clipped = args.get("policy_loss", "clip") == "clip"
-    if script == "ppo_procgen.py" and clipped and (mode, levels) in (("easy", 0), ("easy", 200), ("hard", 0),
-                                                                     ("hard", 500)):
-        stem = f"train_procgen/{mode}-{levels or 'all'}"
-        if levels:
-            return [f"{stem}-train"], [f"{stem}-test"]
-        if mode == "easy":
-            return [stem], [stem]
-        keys = [stem, "phasic_policy_gradient/ppo"]
-        if args.get("init") == "normed" or args.get("adv_norm") == "batch":  # the PPG paper's PPO baseline
-            keys.reverse()
-        return keys, keys
-    if script == "ppg_procgen.py" and mode == "hard" and levels == 0:
-        name = "ppgkl" if not clipped else "ppgsingle" if args.get("arch") == "detach" else "ppg"
-        changed = [(flag, args[flag]) for flag, (default, _) in PPG_DEFAULTS.items()
-                   if args.get(flag, default) != default]
-        if changed and (name != "ppg" or len(changed) > 1):
-            return [], []
-        if changed:
-            name = f"{PPG_DEFAULTS[changed[0][0]][1]}-{changed[0][1]}"
-        return [f"phasic_policy_gradient/{name}"], [f"phasic_policy_gradient/{name}"]
-    return [], []
-
+# Reference runs: the anchors' committed curves and the rules that match a run to them live in
+# benchmarks/reference/on_track.py, which the scripts' in-run on-track line imports too.
 
 def run_references(runs, evaluation=False, references=None):
     """The references every one of `runs` matches (an algorithm's seeds run the same flags), best match first."""
     references = load_references() if references is None else references
     matched = [match_references(run.args)[1 if evaluation else 0] for run in runs]
     return [references[key] for key in matched[0] if key in references and all(key in keys for keys in matched)]
-
-
-def reference_at(reference, game, step):
-    """The reference seeds' returns at `step` (linear interpolation between logged rows), or None where a seed has not
-    logged both a row at or before and one at or after it."""
-    curves = reference.curves.get(game, [])
-    if not curves or any(not len(x) or step < x[0] or step > x[-1] for x, _ in curves):
-        return None
-    return np.array([np.interp(step, x, y) for x, y in curves])
-
-
-def format_step(step):
-    return f"{step / 1e6:.1f}M" if step >= 1e5 else f"{step / 1e3:.1f}k"
-
-
-def on_track_line(game, step, ours, label, theirs):
-    """`starpilot @ 12.0M: ours 14.2 +- 1.1 (3 seeds) vs official PPG 13.0 [11.5, 14.8] (within)`: our mean (and std
-    over seeds) against the reference seeds' mean and range at the same step, and where ours falls in that range."""
-    ours = np.asarray(ours, dtype=float)
-    spread = f" ± {ours.std(ddof=1):.1f}" if len(ours) > 1 else ""
-    low, high = theirs.min(), theirs.max()
-    where = "below" if ours.mean() < low else "above" if ours.mean() > high else "within"
-    return (f"{game} @ {format_step(step)}: ours {ours.mean():.1f}{spread} ({len(ours)} seed{'s' * (len(ours) > 1)}) "
-            f"vs {label} {theirs.mean():.1f} [{low:.1f}, {high:.1f}] ({where})")
 
 
 def last100_curve(run):

@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reference"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reference"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import build_reference  # noqa: E402
 import results  # noqa: E402
@@ -264,3 +265,42 @@ def test_scripts_pick_their_anchor_from_their_flags():
     assert vtrace.anchor_name(vtrace.Args()) is None
     easy = ppo_procgen.reference_line(ROOT, "starpilot", "easy", "ppo", 1_500_000, 3.0)
     assert easy.startswith("starpilot @ 1.5M: ours 3.0 vs official baselines PPO (easy-all) ") and "(below)" in easy
+
+
+def test_one_rule_set_for_the_in_run_line_and_results_py():
+    """benchmarks/reference/on_track.py picks the anchor for both: the in-run line of one seed is results.py's line,
+    for every anchor the rules can pick (PPO easy and hard, PPG and its variants), and None where none matches."""
+    import on_track
+    base = {"env_id": "starpilot", "num_levels": 0, "policy_loss": "clip", "arch": "dual"}
+    cases = [({"script": "ppo_procgen.py", "distribution_mode": "easy"}, 1_500_000, "train_procgen/easy-all"),
+             ({"script": "ppo_procgen.py", "distribution_mode": "hard", "init": "normed"}, 12e6,
+              "phasic_policy_gradient/ppo"),
+             ({"script": "ppg_procgen.py", "distribution_mode": "hard"}, 12e6, "phasic_policy_gradient/ppg"),
+             ({"script": "ppg_procgen.py", "distribution_mode": "hard", "arch": "detach"}, 12e6,
+              "phasic_policy_gradient/ppgsingle"),
+             ({"script": "ppg_procgen.py", "distribution_mode": "hard", "policy_loss": "kl-penalty"}, 12e6,
+              "phasic_policy_gradient/ppgkl"),
+             ({"script": "ppg_procgen.py", "distribution_mode": "hard", "n_pi": 16}, 12e6,
+              "phasic_policy_gradient/n-pi-16")]
+    references = results.load_references()
+    for flags, step, key in cases:
+        args = {**base, **flags}
+        theirs = results.reference_at(references[key], "starpilot", step)
+        expected = results.on_track_line("starpilot", step, [3.0], references[key].label, theirs)
+        assert on_track.run_on_track_line(args, step, 3.0) == expected, key
+        assert on_track.no_match_reason(args) is None
+    for flags in ({"script": "vtrace.py", "distribution_mode": "easy"},
+                  {"script": "ppo_procgen.py", "distribution_mode": "easy", "policy_loss": "kl-penalty"},
+                  {"script": "ppg_procgen.py", "distribution_mode": "easy"},
+                  {"script": "ppg_procgen.py", "distribution_mode": "hard", "n_pi": 16, "e_aux": 3}):
+        args = {**base, **flags}
+        assert on_track.run_on_track_line(args, 12e6, 3.0) is None
+        assert on_track.no_match_reason(args)  # a reason in words
+    # A step the anchor never logged: no line.
+    assert on_track.run_on_track_line({**base, **cases[2][0]}, 1_000, 3.0) is None
+
+
+def test_rules_module_imports_no_script():
+    source = open(os.path.join(ROOT, "benchmarks", "reference", "on_track.py")).read()
+    for script in ("ppo_procgen", "ppg_procgen", "vtrace", "ppo_rlhf_toy", "results"):
+        assert f"import {script}" not in source and f"from {script}" not in source
