@@ -17,8 +17,10 @@ A crashed run is read up to its last complete row and marked partial, as is a ru
 
 Against the anchors' own runs (`--reference`, on by default; `--no-reference` turns it off): where a run's script,
 game, mode and flags match runs that the official PPG code or train-procgen committed (benchmarks/reference/; the
-rules in `match_references`, the expected values in docs/results.md), the figures draw those runs behind ours and
-aggregate.md compares both with the same estimators at the same environment steps, with P(ours > theirs).
+rules in `match_references` of reference/on_track.py, the expected values in docs/results.md), the figures draw
+those runs behind ours and aggregate.md compares both with the same estimators at the same environment steps, with
+P(ours > theirs). Where runs have no anchor, one line per game and algorithm says why (`no anchor: ...`: no anchor
+ran that script, mode or those flags, or the anchor did not log the step the runs reached).
 `--on-track` prints only one line per game for runs in progress:
 
   python benchmarks/results.py runs --on-track
@@ -207,9 +209,9 @@ def read_run(path):
             except json.JSONDecodeError:
                 run.partial = f"metrics.jsonl line {number} cut off; read up to line {number - 1}"
                 break
-    # Steps per iteration as the scripts compute them (vtrace.py: updates x unrolls per update x unroll length).
+    # Steps per iteration as the scripts compute them (vtrace.py: an update per unroll of all games).
     if "updates_per_iteration" in args:
-        steps_per_iteration = args["updates_per_iteration"] * args["batch_size"] * args["unroll_length"]
+        steps_per_iteration = args["updates_per_iteration"] * args["num_envs"] * args["unroll_length"]
     else:
         steps_per_iteration = args["num_envs"] * args["num_steps"]
     final_step = args["total_timesteps"] // steps_per_iteration * steps_per_iteration
@@ -306,13 +308,36 @@ def on_track(groups):
             step = min(x[-1] for x, _ in curves)
             ours = [np.interp(step, x, y) for x, y in curves]
             theirs = reference_at(references[0], game, step)
-            prefix = f"{algorithm} ({mode}) "
-            if theirs is None:
-                x = references[0].curves[game][0][0]
-                lines.append(f"{prefix}{game} @ {format_step(step)}: {references[0].label} logged from "
-                             f"{format_step(x[0])} to {format_step(x[-1])} only")
-            else:
-                lines.append(prefix + on_track_line(game, step, ours, references[0].label, theirs))
+            if theirs is not None:  # else a `no anchor: ...` line (missing_anchors) says which steps the anchor has
+                lines.append(f"{algorithm} ({mode}) " + on_track_line(game, step, ours, references[0].label, theirs))
+    return lines
+
+
+def missing_anchors(groups):
+    """One line per (mode, game, algorithm) whose runs have no anchor to be drawn or tabled against, with the reason:
+    no anchor ran their script, mode or flags (`no_match_reason`), the anchor has no run of the game, or it did not
+    log the step their runs reached (the latest step every seed has reached)."""
+    lines = []
+    for (mode, game), algorithms in sorted(groups.items()):
+        for algorithm, runs in algorithms.items():
+            prefix = f"no anchor: {algorithm} ({mode}) {game}"
+            references = run_references(runs)
+            if not references:
+                reasons = sorted({no_match_reason(run.args) or "matches one" for run in runs})
+                reason = reasons[0] if len(reasons) == 1 else "its seeds ran different flags: " + "; ".join(reasons)
+                lines.append(f"{prefix}: {reason}")
+                continue
+            curves = references[0].curves.get(game)
+            if not curves:
+                lines.append(f"{prefix}: {references[0].label} has no run of {game}")
+                continue
+            step = min(max((row["global_step"] for row in run.rows if "global_step" in row), default=0)
+                       for run in runs)
+            if reference_at(references[0], game, step) is None:
+                first = max(x[0] for x, _ in curves)
+                last = min(x[-1] for x, _ in curves)
+                lines.append(f"{prefix} @ {format_step(step)}: steps outside the anchor's curve ({references[0].label} "
+                             f"logged from {format_step(first)} to {format_step(last)})")
     return lines
 
 
@@ -422,7 +447,8 @@ def plot_game(path, game, mode, by_algorithm, colors, args, references=None):
         axis.set_xlabel("environment steps")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("episodic return (raw game score)")
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:  # a run of minutes may have ended no episode yet
+        axes[0].legend(fontsize=8)
     if any(id(axes[1]) == axis for axis, _ in drawn):
         axes[1].legend(fontsize=8)
     official = "; dashed: the anchors' own runs (faint: their seeds' range)" if drawn else ""
@@ -606,11 +632,15 @@ def main(argv=None):
                 print(f"warning: {algorithm}'s runs differ in --{flag.replace('_', '-')} ({values}); give each "
                       "setting its own --exp-name to keep them apart")
 
+    missing = missing_anchors(groups) if args.reference or args.on_track else []
+    for line in missing:
+        print(line)
+
     if args.on_track:
         lines = on_track(groups)
         print("\n".join(lines) if lines else "on track: no run matches a reference (game, mode and algorithm; see "
-                                              "match_references in benchmarks/results.py)")
-        return dict(runs=runs, groups=groups, on_track=lines)
+                                              "match_references in benchmarks/reference/on_track.py)")
+        return dict(runs=runs, groups=groups, on_track=lines, missing_anchors=missing)
 
     # 2. Learning curves: one figure per game and mode, each algorithm in the same colour everywhere.
     order = lambda algorithm: (ORDER.get(algorithm, len(ORDER)), algorithm)
@@ -668,7 +698,8 @@ def main(argv=None):
         plot_aggregate(os.path.join(out, "aggregate.png"), aggregates, colors, score_name, args.confidence)
     print("\n" + "\n".join(lines))
     print(f"wrote {out}/: " + ", ".join(sorted(os.listdir(out))))
-    return dict(runs=runs, groups=groups, aggregates=aggregates, reference=comparisons, out=out)
+    return dict(runs=runs, groups=groups, aggregates=aggregates, reference=comparisons, out=out,
+                missing_anchors=missing)
 
 
 if __name__ == "__main__":

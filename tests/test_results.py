@@ -201,6 +201,71 @@ def test_results_on_synthetic_runs(tmp_path, capsys):
     assert (tmp_path / "out2" / "bigfish_easy.png").stat().st_size > 0
 
 
+# ---- real runs of the three Procgen scripts, once per session ----
+TINY_RUNS = {  # a few seconds each on a 2-core CPU; PPG in hard mode, so that its anchor is missed for its flags
+    "ppo_procgen.py": ["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "128"],
+    "ppg_procgen.py": ["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "128",
+                       "--n-pi", "2", "--e-aux", "1", "--distribution-mode", "hard"],
+    "vtrace.py": ["--num-envs", "4", "--unroll-length", "8", "--updates-per-iteration", "2", "--total-timesteps",
+                  "192", "--deterministic-lag"],
+}
+COMMON = ["--eval-every", "1", "--eval-episodes", "2", "--torch-threads", "1", "--env-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """runs/ of one tiny real run of each Procgen script (started together, a few seconds each)."""
+    folder = tmp_path_factory.mktemp("real_runs")
+    processes = {script: subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags, *COMMON], cwd=folder,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for script, flags in TINY_RUNS.items()}
+    for script, process in processes.items():
+        output = process.communicate(timeout=300)[0]
+        assert process.returncode == 0, f"{script}: {output[-3000:]}"
+    return folder / "runs"
+
+
+def test_real_runs_of_every_script_are_read_whole(real_runs, tmp_path, capsys):
+    """Each script's own args.json and metrics.jsonl: nothing skipped, every run finished (its last iteration at the
+    run's trained steps, as the script computed them, and a final evaluation there)."""
+    summary = results.main([str(real_runs), "--reps", "1000", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "partial" not in out, out
+    runs = {run.algorithm: run for run in summary["runs"]}
+    assert sorted(runs) == ["IMPALA", "PPG", "PPO"]
+    trained = {"PPO": 128, "PPG": 128, "IMPALA": 192}  # 2 x 4 x 16; 2 x 4 x 16; 3 x (2 updates x 4 games x 8 steps)
+    for algorithm, run in runs.items():
+        assert run.partial is None, (algorithm, run.partial)
+        iterations = [row for row in run.rows if "charts/episodic_return" in row]
+        assert iterations[-1]["global_step"] == trained[algorithm]
+        assert [row["global_step"] for row in run.rows if "eval/episodic_return" in row][-1] == trained[algorithm]
+    assert (tmp_path / "out" / "starpilot_easy.png").exists() and (tmp_path / "out" / "starpilot_hard.png").exists()
+
+
+def test_real_runs_without_an_anchor_say_why(real_runs, tmp_path, capsys):
+    """One line per run group with no anchor: the script (IMPALA), the flags (PPG's N_pi and E_aux together) and the
+    steps (PPO easy matches baselines PPO, whose first row is long after 128 steps); in --on-track mode too."""
+    expected = [
+        "no anchor: IMPALA (easy) starpilot: vtrace.py: no anchor ran it on Procgen (the official runs are PPO and PPG)",
+        "no anchor: PPG (hard) starpilot: ppg_procgen.py --n-pi 2 --e-aux 1: no official run changed these together "
+        "(or with this variant)",
+    ]
+    reference = results.load_references()["train_procgen/easy-all"]
+    first = max(x[0] for x, _ in reference.curves["starpilot"])
+    last = min(x[-1] for x, _ in reference.curves["starpilot"])
+    expected.append(f"no anchor: PPO (easy) starpilot @ 0.1k: steps outside the anchor's curve (official baselines "
+                    f"PPO (easy-all) logged from {results.format_step(first)} to {results.format_step(last)})")
+    assert 128 < first
+    summary = results.main([str(real_runs), "--reps", "1000", "--out", str(tmp_path / "out")])
+    assert sorted(summary["missing_anchors"]) == sorted(expected)
+    out = capsys.readouterr().out
+    assert all(line in out for line in expected), out
+    summary = results.main([str(real_runs), "--on-track"])
+    assert sorted(summary["missing_anchors"]) == sorted(expected) and summary["on_track"] == []
+    summary = results.main([str(real_runs), "--reps", "1000", "--out", str(tmp_path / "off"), "--no-reference"])
+    assert summary["missing_anchors"] == []
+
+
 def test_partial_runs_and_duplicate_seeds(tmp_path):
     short = results.read_run(write_run(tmp_path, "ppo_procgen", "bigfish", 1, 5.0, stop_after=6))
     assert short.partial.startswith("ends at step 3,072 of 4,096") and len(short.rows) == 7
