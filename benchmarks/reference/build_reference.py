@@ -6,7 +6,8 @@ LICENSE-* files here):
   python benchmarks/reference/build_reference.py --ppg /tmp/phasic-policy-gradient --train-procgen /tmp/train-procgen
 
 Either path may be the checkout or its results folder (`phasic_policy_gradient/results`, `train_procgen/results`).
-Writes `phasic_policy_gradient.json.gz` and `train_procgen.json.gz` next to this script (or to --out); the bytes do not
+Writes `phasic_policy_gradient.json.gz`, `train_procgen.json.gz` and `train_procgen_first_1M.json.gz` (every row up to
+1,048,576 steps, for windowed comparisons of short runs) next to this script (or to --out); the bytes do not
 depend on the time of the build, so `git diff` shows whether a rebuild changed anything.
 
 What is kept: every run folder (every seed, every ablation) and every game; the return column (`EpRewMean` in the
@@ -31,6 +32,7 @@ import subprocess
 GAMES = ["bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot", "heist",
          "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot"]
 HERE = os.path.dirname(os.path.abspath(__file__))
+EARLY_STEPS = 1_048_576  # train_procgen_first_1M.json.gz: every logged row up to here (64 iterations in easy mode)
 
 # Official PPG experiments: name -> (what it is, run folders). Hard mode, full distribution, 100M steps.
 PPG_EXPERIMENTS = {
@@ -100,7 +102,9 @@ def build_ppg(path, stride=4, commit=None):
             "curves": curves}
 
 
-def build_train_procgen(path, stride=8, commit=None):
+def build_train_procgen(path, stride=8, commit=None, until=None):
+    """train-procgen's curves, every `stride`-th row; with `until`, every row up to that step and no final row (the
+    early, full-resolution file: windowed comparisons of short runs need every iteration)."""
     folder = results_folder(path, os.path.join("train_procgen", "results"))
     experiments = {}
     curves = {}
@@ -124,11 +128,18 @@ def build_train_procgen(path, stride=8, commit=None):
                                                         "eprewmean")
                     column = header.index("misc/total_timesteps")
                     steps = [int(float(row[column])) * workers for row in rows]
-                    curves[f"{run}:{split}"][game] = subsample(steps, returns, stride)
-    return {"source": "openai/train-procgen", "path": "train_procgen/results", "commit": commit or git_commit(path),
+                    curve = subsample(steps, returns, stride)
+                    if until is not None:
+                        kept = sum(step <= until for step in curve["steps"])
+                        curve = {"steps": curve["steps"][:kept], "returns": curve["returns"][:kept]}
+                    curves[f"{run}:{split}"][game] = curve
+    data = {"source": "openai/train-procgen", "path": "train_procgen/results", "commit": commit or git_commit(path),
             "license": "LICENSE-train-procgen", "column": "eprewmean", "stride": stride,
             "steps": "misc/total_timesteps x workers (1 in easy mode, 4 in hard mode, as in train_procgen/graph.py)",
             "experiments": experiments, "curves": curves}
+    if until is not None:
+        data["until"] = until
+    return data
 
 
 def write(data, path):
@@ -153,6 +164,8 @@ def main(argv=None):
     write(build_ppg(args.ppg, commit=args.ppg_commit), os.path.join(args.out, "phasic_policy_gradient.json.gz"))
     write(build_train_procgen(args.train_procgen, commit=args.train_procgen_commit),
           os.path.join(args.out, "train_procgen.json.gz"))
+    write(build_train_procgen(args.train_procgen, stride=1, commit=args.train_procgen_commit, until=EARLY_STEPS),
+          os.path.join(args.out, "train_procgen_first_1M.json.gz"))
 
 
 if __name__ == "__main__":
