@@ -8,6 +8,7 @@ Read top to bottom; the appendix below `train` is plumbing.
 """
 import copy
 import functools
+import itertools
 import json
 import math
 import os
@@ -303,7 +304,7 @@ def make_model(args, out_dim):
 
 
 @torch.no_grad()
-def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD):
+def sample(policy, queries, max_new_tokens, temperature):
     """Pure ancestral sampling at `temperature` (no top-k / top-p). A row stops at its first EOS and
     is padded with PAD. Returns responses (B, max_new_tokens) and the log-probs of the sampled
     tokens."""
@@ -312,14 +313,14 @@ def sample(policy, queries, max_new_tokens, temperature, eos_id=EOS, pad_id=PAD)
     logprobs = []
     for _ in range(max_new_tokens):
         logp = F.log_softmax(policy(tokens)[:, -1] / temperature, -1)
-        next_token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_id)
+        next_token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, PAD)
         logprobs.append(logp.gather(1, next_token[:, None]).squeeze(1).masked_fill(done, 0.0))
         tokens = torch.cat([tokens, next_token[:, None]], 1)
-        done = done | (next_token == eos_id)
+        done = done | (next_token == EOS)
         if done.all():
             break
     pad = max_new_tokens - len(logprobs)
-    return F.pad(tokens[:, queries.shape[1]:], (0, pad), value=pad_id), F.pad(torch.stack(logprobs, 1), (0, pad))
+    return F.pad(tokens[:, queries.shape[1]:], (0, pad), value=PAD), F.pad(torch.stack(logprobs, 1), (0, pad))
 
 
 def response_logprobs(model, queries, responses, temperature):
@@ -331,9 +332,9 @@ def response_logprobs(model, queries, responses, temperature):
     return all_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1), all_logp
 
 
-def response_mask(responses, eos_id=EOS):
+def response_mask(responses):
     """1.0 on response tokens up to and including the first EOS, 0.0 after it."""
-    is_eos = (responses == eos_id).int()
+    is_eos = (responses == EOS).int()
     return ((is_eos.cumsum(1) - is_eos) == 0).float()
 
 
@@ -345,13 +346,12 @@ def lm_loss(model, tokens):
     return F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:], ignore_index=PAD)
 
 
-def train_sft(args, corpus_tokens, device, log, interrupted=()):
-    """SFT on the corpus. Returns None if `interrupted` (Ctrl-C / SIGTERM) stopped it early."""
+def train_sft(args, corpus_tokens, device, log):
+    """SFT on the corpus: the initial policy."""
     model = make_model(args, len(VOCAB)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr)
     for step in range(args.sft_steps):
-        if interrupted:
-            return None
+        stop_if_signalled("SFT", step)  # a safe point: no step half done
         optimizer.param_groups[0]["lr"] = args.sft_lr * (1 - step / args.sft_steps)
         loss = lm_loss(model, random_rows(corpus_tokens, SFT_BATCH_SIZE))
         optimizer.zero_grad()
@@ -401,11 +401,11 @@ def split_by_sentence(chosen, rejected, heldout_frac):
 
 
 # ---------------------------------------------------------------- 4. the reward model
-def score_at_eos(per_token_scores, tokens, eos_id=EOS):
+def score_at_eos(per_token_scores, tokens):
     """The RM score is the scalar at each row's first EOS token (as N+): not the last position (a
     PAD when right-padded), not one step after EOS. Rows without EOS read position 0; callers
     replace them (EOS trick)."""
-    return per_token_scores.gather(1, (tokens == eos_id).int().argmax(1, keepdim=True)).squeeze(1)  # argmax: first max
+    return per_token_scores.gather(1, (tokens == EOS).int().argmax(1, keepdim=True)).squeeze(1)  # argmax: first max
 
 
 def bradley_terry_loss(r_chosen, r_rejected):
@@ -414,10 +414,9 @@ def bradley_terry_loss(r_chosen, r_rejected):
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def train_reward_model(args, sft, pairs, device, log, interrupted=()):
+def train_reward_model(args, sft, pairs, device, log):
     """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Logs the
-    held-out loss and accuracy after every epoch. Returns the RM and its numbers, or None, None if
-    `interrupted` stopped it."""
+    held-out loss and accuracy after every epoch. Returns the RM and its numbers."""
     chosen, rejected, gold_margin, p_label = pairs
     train_idx, heldout_idx, dropped_idx = split_by_sentence(chosen, rejected, HELDOUT_FRAC)
     if len(train_idx) < 1:
@@ -436,8 +435,7 @@ def train_reward_model(args, sft, pairs, device, log, interrupted=()):
     for epoch in range(1, args.rm_epochs + 1):
         losses = []
         for batch_idx in train_idx[torch.randperm(len(train_idx), device=device)].split(RM_BATCH_SIZE):
-            if interrupted:
-                return None, None
+            stop_if_signalled("the reward model", step)
             optimizer.param_groups[0]["lr"] = args.rm_lr * (1 - step / total_steps)
             loss = bradley_terry_loss(reward(chosen[batch_idx]), reward(rejected[batch_idx]))
             optimizer.zero_grad()
@@ -511,6 +509,14 @@ def masked_var(x, mask):
     return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
 
 
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the
+    returns, 0 = no better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's
+    explained_variance)."""
+    returns_var = masked_var(returns, mask)
+    return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
+
+
 def whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / sqrt(var + eps) over unmasked entries with the population variance, as TF;
     shift_mean=False adds the mean back (OAI does that for rewards)."""
@@ -572,10 +578,10 @@ def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
 
 
 @torch.no_grad()
-def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id=EOS, pad_id=PAD):
+def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args):
     """Sample responses, score them, and turn the scores into per-token rewards and advantages."""
-    responses = sample(policy, queries, args.max_response_len, args.temperature, eos_id, pad_id)[0]
-    mask = response_mask(responses, eos_id)
+    responses = sample(policy, queries, args.max_response_len, args.temperature)[0]
+    mask = response_mask(responses)
     # log-probs recomputed by a plain forward (as OAI); a test checks they equal the sampling ones
     logp = response_logprobs(policy, queries, responses, args.temperature)[0] * mask
     ref_logp = response_logprobs(ref_policy, queries, responses, args.temperature)[0] * mask
@@ -625,38 +631,37 @@ def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
 
 
 def run_ppo(args, *, beta, policy, ref_policy, critic, score_fn, sample_prompts, rollout_metrics=None,
-            log=None, eos_id=EOS, pad_id=PAD, sample_corpus=None, interrupted=()):
+            log=None, sample_corpus=None):
     """PPO against score_fn(queries, responses) with a KL leash to ref_policy, from the prompts of
     sample_prompts(count). Generic over the models (token ids -> logits or values) and the reward:
     the tests run it on an enumerable task. rollout_metrics(batch, iteration) adds a task's own
     numbers to each record; sample_corpus(count) gives PPO-ptx's corpus rows. Returns one metrics
-    dict per iteration; stops early when `interrupted` is set (Ctrl-C / SIGTERM), after the
-    iteration at hand."""
+    dict per iteration; after a first Ctrl-C / SIGTERM, stops after the iteration at hand."""
     # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far
     # larger in the first steps, so PyTorch's early updates are bigger (~6x approxkl in
     # lm-human-preference-details).
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=args.ppo_lr, eps=1e-5)
     history = []
     start = time.time()
+    kl_coef = beta  # the beta of this iteration: --adaptive-kl moves it
     for iteration in range(1, args.ppo_iterations + 1):
-        if interrupted:
-            break
         lr = args.ppo_lr * (1 - (iteration - 1) / args.ppo_iterations)  # linear decay to 0 (as OAI)
         optimizer.param_groups[0]["lr"] = lr
         queries = sample_prompts(args.rollout_batch_size)
-        batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args, eos_id, pad_id)
+        batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, kl_coef, args)
         stats = ppo_update(policy, critic, optimizer, batch, args, sample_corpus)
         episodes = iteration * args.rollout_batch_size
-        record = ppo_record(batch, stats, beta=beta, episodes=episodes, lr=lr,
-                            episodes_per_second=episodes / (time.time() - start), eos_id=eos_id)
+        record = ppo_record(batch, stats, beta=kl_coef, episodes=episodes, lr=lr,
+                            episodes_per_second=episodes / (time.time() - start))
         if rollout_metrics is not None:
             record.update(rollout_metrics(batch, iteration))
         if args.adaptive_kl:  # the next iteration's beta, from this one's KL
-            beta = adaptive_kl_beta(beta, record["objective/kl"], args.kl_target, args.rollout_batch_size,
-                                    args.kl_horizon)
+            kl_coef = adaptive_kl_beta(kl_coef, record["objective/kl"], args.kl_target, args.rollout_batch_size,
+                                       args.kl_horizon)
         history.append(record)
         if log is not None:
             log(record, ppo_log_line(record, iteration, args, start))
+        stop_if_signalled(f"PPO (beta {beta:g}, iteration {iteration})", iteration)  # every iterate is a usable policy
     return history
 
 
@@ -715,7 +720,9 @@ def train(args: Args):
     log = Logger(args, run_dir, run_name)
     start = time.time()
     print(f"run {run_name} on {device}")
-    with StopOnSignal(args, run_dir, log) as run:  # a first Ctrl-C / SIGTERM stops between steps
+    # A first Ctrl-C / SIGTERM stops the stage at hand at its next safe point (Stopped); leaving this
+    # block then says what was kept and exits with 128 + the signal's number.
+    with StopOnSignal(args, run_dir, log) as run:
         # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
         # samples it too. `random` is seeded.
         corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]
@@ -726,9 +733,8 @@ def train(args: Args):
             sft = load_checkpoint(args.load_sft, "--load-sft", device)[0]
         else:
             print("corpus:", *[" ".join(sentence) for sentence in corpus[:3]], sep="\n    ")
-            sft = train_sft(args, corpus_tokens, device, log, run.interrupted)  # None if stopped
+            sft = train_sft(args, corpus_tokens, device, log)
         run.save("sft.pt", sft)
-        run.exit_if_interrupted("SFT")
         ref_policy = copy.deepcopy(sft).requires_grad_(False)
 
         # 3. Preference pairs labelled through the hidden gold reward, and 4. the reward model.
@@ -738,9 +744,8 @@ def train(args: Args):
             log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
         else:
             pairs = make_preference_pairs(args, sft, device)
-            rm, rm_info = train_reward_model(args, sft, pairs, device, log, run.interrupted)
+            rm, rm_info = train_reward_model(args, sft, pairs, device, log)
         run.save("rm.pt", rm, rm_info=rm_info)
-        run.exit_if_interrupted("the reward model")
         rm.requires_grad_(False)
         score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
 
@@ -750,23 +755,23 @@ def train(args: Args):
         histories = {}
         finals = {}
         for beta in args.sweep_betas if args.sweep else (args.beta,):
-            run.exit_if_interrupted("evaluation")
             torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
             policy = copy.deepcopy(sft).requires_grad_(True)
             critic = critic_from_reward_model(rm, rm_info)
-            beta_log = logger_for_beta(log, args, beta)
-            histories[beta] = run_ppo(
-                args, beta=beta, policy=policy, ref_policy=ref_policy, critic=critic, score_fn=score_fn,
-                sample_prompts=functools.partial(random_prompts, device=device),
-                rollout_metrics=rollout_stats, log=beta_log,
-                sample_corpus=functools.partial(random_rows, corpus_tokens), interrupted=run.interrupted)
-            iterations_done = len(histories[beta])
-            # saved also when interrupted: every PPO iterate is a usable policy
-            run.save(ppo_checkpoint_name(args, beta), policy, critic=critic.state_dict(),
-                     ppo_iterations_done=iterations_done)
-            run.exit_if_interrupted(f"PPO (beta {beta:g}, iteration {iterations_done})")
+            # a sweep logs each beta's records to TensorBoard's beta_{beta}: a run of its own
+            beta_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}" if args.sweep else "")
+            name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
+            try:
+                histories[beta] = run_ppo(
+                    args, beta=beta, policy=policy, ref_policy=ref_policy, critic=critic, score_fn=score_fn,
+                    sample_prompts=functools.partial(random_prompts, device=device), rollout_metrics=rollout_stats,
+                    log=beta_log, sample_corpus=functools.partial(random_rows, corpus_tokens))
+            except Stopped as stopped:  # every PPO iterate is a usable policy: keep this one too
+                run.save(name, policy, critic=critic.state_dict(), ppo_iterations_done=stopped.done)
+                raise
+            run.save(name, policy, critic=critic.state_dict(), ppo_iterations_done=len(histories[beta]))
             finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
-            episodes = iterations_done * args.rollout_batch_size
+            episodes = len(histories[beta]) * args.rollout_batch_size
             beta_log({"stage": "eval", "beta": beta, "episode": episodes, **finals[beta]})
         # Best-of-n from the SFT policy: the baseline to compare PPO with at the same KL.
         bon = best_of_n(args, sft, score_fn, device)
@@ -776,7 +781,6 @@ def train(args: Args):
         summary = log_summary(args, log, start, rm_info, sft_eval, finals, bon)
         if args.sweep:
             report_sweep(args, run_dir, histories, finals, bon)
-        run.exit_if_interrupted("the final evaluation")
     return {**summary, "histories": histories}
 
 
@@ -788,16 +792,13 @@ def create_run_dir(args):
     Returns (name, path)."""
     base_name = f"rlhf_sentiment__{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs("runs", exist_ok=True)
-    run_name = base_name
-    suffix = 1
-    while True:
-        run_dir = os.path.join("runs", run_name)
+    for suffix in itertools.count(1):
+        run_name = f"{base_name}-{suffix}" if suffix > 1 else base_name
         try:
-            os.makedirs(run_dir, exist_ok=False)  # atomic: of two racing runs exactly one succeeds
-            return run_name, run_dir
+            os.mkdir(os.path.join("runs", run_name))  # atomic: of two racing runs exactly one succeeds
+            return run_name, os.path.join("runs", run_name)
         except FileExistsError:
-            suffix += 1
-            run_name = f"{base_name}-{suffix}"
+            pass
 
 
 def seed_and_choose_device(args):
@@ -811,67 +812,71 @@ def seed_and_choose_device(args):
 
 
 # ---------------------------------------------------------------- signals and checkpoints of a run
+SIGNALS_RECEIVED = []  # filled by StopOnSignal's handler during a run; read at the stages' safe points
+
+
+@dataclass
+class Stopped(Exception):
+    """Raised at a stage's safe point after a first Ctrl-C or SIGTERM."""
+    stage: str  # for the message
+    done: int  # the stage's finished steps
+
+
+def stop_if_signalled(stage, done):
+    """A safe point of a stage, where nothing is half updated: after a first signal, stop there."""
+    if SIGNALS_RECEIVED:
+        raise Stopped(stage, done)
+
+
 class StopOnSignal:
-    """The first Ctrl-C or SIGTERM only records the signal: each stage's loop reads `interrupted`
-    between steps, and train() then stops with nothing half written (exit_if_interrupted). A second
-    one stops at once. On leaving: the previous handlers come back and the logger is closed. Also
-    keeps the list of checkpoints saved so far, for the message of an interrupted run."""
+    """The first Ctrl-C or SIGTERM only records the signal: the stage at hand raises Stopped at its
+    next safe point, and leaving this block then prints one line on what was kept and exits 128 +
+    the signal's number (also when the signal came during the last stage). A second signal stops at
+    once, with one line. On leaving, the previous handlers come back and the logger is closed.
+    `save` writes the checkpoints (with --save-model) and lists them for that line."""
 
     def __init__(self, args, run_dir, log):
         self.save_model = args.save_model
         self.run_dir = run_dir
         self.log = log
-        self.interrupted = []
         self.saved = []
         self.previous = {}
 
     def handler(self, signum, frame):
-        if self.interrupted:
-            raise KeyboardInterrupt
-        self.interrupted.append(signum)
         name = signal.Signals(signum).name
+        if SIGNALS_RECEIVED:
+            print(f"\n{name} again: stopped at once; {self.kept()}", flush=True)
+            raise SystemExit(128 + signum)
+        SIGNALS_RECEIVED.append(signum)
         print(f"\n{name}: stopping after the current step (again: stop now)", flush=True)
 
     def __enter__(self):
         self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def __exit__(self, *exception):
+    def __exit__(self, exception_type, exception, traceback):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.log.close()
-        return False
+        received = SIGNALS_RECEIVED[:]  # the first signal only: the second one stops in the handler
+        SIGNALS_RECEIVED.clear()
+        if received and exception_type in (None, Stopped):
+            stage = exception.stage if exception else "the final evaluation"
+            print(f"{signal.Signals(received[0]).name}: stopped during {stage}; {self.kept()}", flush=True)
+            raise SystemExit(128 + received[0])
+
+    def kept(self):
+        checkpoints = ", ".join(self.saved) or "no checkpoints (--save-model keeps the finished stages)"
+        return f"kept in {self.run_dir}: metrics.jsonl, TensorBoard events, {checkpoints}"
 
     def save(self, name, model, **extra):
-        """With --save-model, runs/{run_name}/{name}; nothing for a stage cut short (None)."""
-        if self.save_model and model is not None:
+        """With --save-model, runs/{run_name}/{name}."""
+        if self.save_model:
             save_checkpoint(os.path.join(self.run_dir, name), model, **extra)
             self.saved.append(name)
 
-    def exit_if_interrupted(self, stage):
-        """After a first Ctrl-C / SIGTERM: one line on what was kept; exit status 128 + signal."""
-        if not self.interrupted:
-            return
-        kept = ", ".join(self.saved) if self.saved else "no checkpoints (--save-model keeps the finished stages)"
-        print(f"{signal.Signals(self.interrupted[0]).name}: stopped during {stage}; kept in {self.run_dir}: "
-              f"metrics.jsonl, TensorBoard events, {kept}", flush=True)
-        raise SystemExit(128 + self.interrupted[0])
-
-
-def ppo_checkpoint_name(args, beta):
-    if args.sweep:
-        return f"ppo_policy_beta{beta:g}.pt"
-    return "ppo_policy.pt"
-
 
 # ---------------------------------------------------------------- console lines and summaries
-def logger_for_beta(log, args, beta):
-    """A sweep logs each beta's PPO and eval records to TensorBoard's beta_{beta}: its own run."""
-    if args.sweep:
-        return functools.partial(log, tensorboard_run=f"beta_{beta:g}")
-    return log
-
-
 def ppo_log_line(record, iteration, args, start):
     """The console line of a PPO iteration, with the time left at this iteration's pace."""
     eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
@@ -921,90 +926,50 @@ def report_sweep(args, run_dir, histories, finals, bon):
 
 
 # ---------------------------------------------------------------- flag checks, logging, checkpoints
-# Every numeric flag's allowed range: (test, what the error message says is allowed). validate_args
-# checks them all before anything is allocated; a test tries one bad value for each.
-def is_positive(value):
-    return value > 0
-
-
-def is_finite_positive(value):
-    return math.isfinite(value) and value > 0
-
-
-def is_finite_non_negative(value):
-    return math.isfinite(value) and value >= 0
-
-
-def is_probability(value):
-    return 0 <= value <= 1
-
-
-RANGE_POSITIVE = (is_positive, "> 0")
-RANGE_FINITE_POSITIVE = (is_finite_positive, "finite and > 0")
-RANGE_FINITE_NON_NEGATIVE = (is_finite_non_negative, "finite and >= 0")
-RANGE_PROBABILITY = (is_probability, "in [0, 1]")
-FLAG_RANGES = {
-    "seed": (lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
-    "corpus_size": RANGE_POSITIVE,
-    "max_response_len": (lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens and more)"),
-    "num_pairs": (lambda value: value >= 2, ">= 2 (some pairs are held out)"),
-    "label_noise": RANGE_FINITE_POSITIVE,
-    "d_model": RANGE_POSITIVE,
-    "n_layers": RANGE_POSITIVE,
-    "n_heads": RANGE_POSITIVE,
-    "sft_steps": RANGE_POSITIVE,
-    "sft_lr": RANGE_FINITE_NON_NEGATIVE,
-    "rm_epochs": RANGE_POSITIVE,
-    "rm_lr": RANGE_FINITE_NON_NEGATIVE,
-    "ppo_iterations": RANGE_POSITIVE,
-    "rollout_batch_size": RANGE_POSITIVE,
-    "num_minibatches": RANGE_POSITIVE,
-    "ppo_epochs": RANGE_POSITIVE,
-    "ppo_lr": RANGE_FINITE_NON_NEGATIVE,
-    "max_grad_norm": (lambda value: value > 0, "> 0 (inf: no clipping)"),
-    "temperature": RANGE_FINITE_POSITIVE,
-    "beta": RANGE_FINITE_NON_NEGATIVE,
-    "kl_target": RANGE_FINITE_POSITIVE,
-    "kl_horizon": RANGE_POSITIVE,
-    "clip_coef": RANGE_FINITE_POSITIVE,
-    "clip_coef_value": RANGE_FINITE_POSITIVE,
-    "vf_coef": RANGE_FINITE_NON_NEGATIVE,
-    "gamma": RANGE_PROBABILITY,
-    "lam": RANGE_PROBABILITY,
-    "missing_eos_penalty": (math.isfinite, "finite"),
-    "ptx_coef": RANGE_FINITE_NON_NEGATIVE,
-    "eval_samples": RANGE_POSITIVE,
-    "bon_pool": (lambda value: value >= 2, ">= 2"),
-    "sweep_betas": (lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
-                    "one or more values, each finite and >= 0"),
-    "threads": RANGE_POSITIVE,
-}
+# Every numeric flag's allowed values, as (flags, test, what the error message says is allowed):
+# validate_args checks them all before anything is allocated; a test tries one bad value for each.
+FLAG_RANGES = [
+    (("corpus_size", "d_model", "n_layers", "n_heads", "sft_steps", "rm_epochs", "ppo_iterations",
+      "rollout_batch_size", "num_minibatches", "ppo_epochs", "kl_horizon", "eval_samples", "threads"),
+     lambda value: value > 0, "> 0"),
+    (("label_noise", "temperature", "kl_target", "clip_coef", "clip_coef_value"),
+     lambda value: math.isfinite(value) and value > 0, "finite and > 0"),
+    (("sft_lr", "rm_lr", "ppo_lr", "beta", "vf_coef", "ptx_coef"),
+     lambda value: math.isfinite(value) and value >= 0, "finite and >= 0"),
+    (("gamma", "lam"), lambda value: 0 <= value <= 1, "in [0, 1]"),
+    (("seed",), lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
+    (("max_response_len",), lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens and more)"),
+    (("num_pairs",), lambda value: value >= 2, ">= 2 (some pairs are held out)"),
+    (("max_grad_norm",), lambda value: value > 0, "> 0 (inf: no clipping)"),
+    (("missing_eos_penalty",), math.isfinite, "finite"),
+    (("bon_pool",), lambda value: value >= 2, ">= 2"),
+    (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
+     "one or more values, each finite and >= 0"),
+]
 
 
 def validate_args(args):
     """One-line errors naming the flag, before anything is allocated: every numeric flag's range,
     the flags that constrain each other, and the checkpoints given to --load-sft / --load-rm."""
-    for name, (allowed, what) in FLAG_RANGES.items():
-        value = getattr(args, name)
-        if not allowed(value):
-            raise SystemExit(f"error: --{name.replace('_', '-')} {value} must be {what}")
-    checks = [
-        (args.rollout_batch_size % args.num_minibatches == 0 and args.rollout_batch_size // args.num_minibatches >= 8,
-         f"--num-minibatches {args.num_minibatches} must split --rollout-batch-size {args.rollout_batch_size} "
-         "into equal minibatches of >= 8 sequences (whitening needs them)"),
-        (args.d_model % args.n_heads == 0, f"--n-heads {args.n_heads} must divide --d-model {args.d_model}"),
-        (args.load_rm is None or args.load_sft is not None,
-         f"--load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the critic refer to that SFT policy"),
-    ] + [(path is None or os.path.isfile(path), f"{flag} {path}: no such file")
-         for flag, path in (("--load-sft", args.load_sft), ("--load-rm", args.load_rm))]
-    for ok, message in checks:
-        if not ok:
-            raise SystemExit(f"error: {message}")
+    for names, allowed, what in FLAG_RANGES:
+        for name in names:
+            if not allowed(getattr(args, name)):
+                raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be {what}")
+    if args.rollout_batch_size % args.num_minibatches or args.rollout_batch_size // args.num_minibatches < 8:
+        raise SystemExit(f"error: --num-minibatches {args.num_minibatches} must split --rollout-batch-size "
+                         f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening needs them)")
+    if args.d_model % args.n_heads:
+        raise SystemExit(f"error: --n-heads {args.n_heads} must divide --d-model {args.d_model}")
+    if args.load_rm is not None and args.load_sft is None:
+        raise SystemExit(f"error: --load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the critic "
+                         "refer to that SFT policy")
     # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know
     # every token and have a position embedding for every position the other flags will feed it.
     for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
         if path is None:
             continue
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: {flag} {path}: no such file")
         checkpoint = load_checkpoint(path, flag, "cpu")[1]
         config = checkpoint["config"]
         if (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
@@ -1035,7 +1000,6 @@ class Logger:
         self.run_dir = run_dir
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.writers = {}
-        self.record_count = 0
         self.wandb = None
         self.writer("").add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(
             f"|{key}|{value}|" for key, value in asdict(args).items()))  # as CleanRL
@@ -1063,9 +1027,8 @@ class Logger:
             writer.add_scalar(tag, value, step)
         if "samples" in record:
             writer.add_text(prefix + "samples", "\n\n".join(record["samples"]), step)
-        if self.wandb is not None:  # step = record count: monotonic across the stages and the runs of a sweep
-            self.wandb.log(numbers, step=self.record_count)
-        self.record_count += 1
+        if self.wandb is not None:  # wandb's step counts these calls: monotonic across stages and a sweep's runs
+            self.wandb.log(numbers)
         if line is not None:
             print(line, flush=True)
 
@@ -1122,7 +1085,7 @@ def per_sequence(per_token, mask):
     return float((per_token * mask).sum(1).mean())
 
 
-def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second, eos_id=EOS):
+def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
     """One PPO iteration's metrics.jsonl record, under TRL's names (docs/rlhf.md says what each
     means): the rollout's objective (KL, entropy, score, Eq. 2's reward), the update's means over
     minibatches, and the critic's fit."""
@@ -1145,18 +1108,10 @@ def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second, eos_id=
         "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
         "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
         "val/var_explained": explained_variance(batch["values"], batch["returns"], mask),
-        "val/num_eos_tokens": int((batch["responses"] == eos_id).sum()),
+        "val/num_eos_tokens": int((batch["responses"] == EOS).sum()),
         "ppo/returns/mean": float(masked_mean(batch["returns"], mask)),
         "ppo/returns/var": float(masked_var(batch["returns"], mask))})
     return record
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the
-    returns, 0 = no better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's
-    explained_variance)."""
-    returns_var = masked_var(returns, mask)
-    return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
 
 
 def rollout_stats(batch, iteration):

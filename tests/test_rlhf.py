@@ -351,6 +351,13 @@ ENUM_LEN = 3
 N_CODES = 7 ** 4
 
 
+@pytest.fixture
+def enumerable_eos(monkeypatch):
+    """The enumerable task's responses end with token 5; the script reads its EOS (and PAD = 0, BOS = 1, the same
+    in both vocabularies) when its functions run."""
+    monkeypatch.setattr(M, "EOS", ENUM_EOS)
+
+
 class TablePolicy(nn.Module):
     """A tabular model: one logit vector (or value) per prefix, so PPO is tested apart from function approximation."""
 
@@ -381,7 +388,7 @@ def response_code(responses):
 def exact_distribution(policy, responses, temperature):
     queries = torch.full((len(responses), 1), M.BOS)
     logp = M.response_logprobs(policy, queries, responses, temperature)[0].double()
-    return (logp * M.response_mask(responses, ENUM_EOS)).sum(1).exp()
+    return (logp * M.response_mask(responses)).sum(1).exp()
 
 
 def closed_form_optimum(ref_probs, rewards, beta):
@@ -419,19 +426,19 @@ def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
     policy = copy.deepcopy(ref).requires_grad_(True)
     critic = TablePolicy(1, 0.0)
     M.run_ppo(args, beta=beta, policy=policy, ref_policy=ref, critic=critic, score_fn=score_fn,
-              sample_prompts=enumerable_prompts, eos_id=ENUM_EOS)
+              sample_prompts=enumerable_prompts)
     pi = exact_distribution(policy, responses, args.temperature)
     pi_ref = exact_distribution(ref, responses, args.temperature)
     return pi, pi_ref, rewards, critic(torch.full((1, 1), M.BOS))[0, 0].item()
 
 
-def test_enumeration_is_a_distribution():
+def test_enumeration_is_a_distribution(enumerable_eos):
     responses, _, _, ref = enumerable_task()
     assert exact_distribution(ref, responses, 0.7).sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("beta", [0.25, 1.0])
-def test_ppo_reaches_the_kl_regularised_optimum(beta):
+def test_ppo_reaches_the_kl_regularised_optimum(beta, enumerable_eos):
     pi, pi_ref, rewards, root_value = run_enumerable_ppo(beta, iterations=120, lr=0.05)
     pi_star, log_z, kl_star = closed_form_optimum(pi_ref, rewards, beta)
     assert kl(pi_star, pi_ref) == pytest.approx(kl_star, abs=1e-9)
@@ -444,7 +451,7 @@ def test_ppo_reaches_the_kl_regularised_optimum(beta):
     assert root_value == pytest.approx(objective, abs=0.1)  # the critic learned V(prompt) = E[sum of rewards]
 
 
-def test_ppo_with_k3_in_the_reward_misses_the_optimum_and_collapses():
+def test_ppo_with_k3_in_the_reward_misses_the_optimum_and_collapses(enumerable_eos):
     """What test_k3_as_a_reward_has_the_gradient... predicts: with k3 the penalty does not hold pi near pi_ref, so
     PPO ends far from pi* (which k1 reaches, above) on a single response, at a beta where pi* keeps entropy."""
     beta = 1.0
@@ -483,7 +490,7 @@ def test_ppo_losses_match_a_naive_per_token_computation():
     assert 0 < stats["clipfrac"] < 1
 
 
-def test_huge_beta_keeps_the_policy_at_the_reference():
+def test_huge_beta_keeps_the_policy_at_the_reference(enumerable_eos):
     pi, pi_ref, _, _ = run_enumerable_ppo(1e4, iterations=30, lr=0.05)
     pi_free = run_enumerable_ppo(0.0, iterations=30, lr=0.05)[0]
     print(f"KL to reference: beta=1e4 {kl(pi, pi_ref):.5f}, beta=0 {kl(pi_free, pi_ref):.3f}")
@@ -492,13 +499,13 @@ def test_huge_beta_keeps_the_policy_at_the_reference():
     assert kl(pi_frozen, pi_ref) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo():
+def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo(enumerable_eos):
     _, _, score_fn, ref = enumerable_task()
     args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, ppo_iterations=8, rollout_batch_size=64,
                   num_minibatches=4, ppo_lr=0.05, adaptive_kl=True, kl_target=0.05, kl_horizon=200)
     policy = copy.deepcopy(ref).requires_grad_(True)
     history = M.run_ppo(args, beta=0.5, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
-                        score_fn=score_fn, sample_prompts=enumerable_prompts, eos_id=ENUM_EOS)
+                        score_fn=score_fn, sample_prompts=enumerable_prompts)
     assert history[0]["objective/kl_coef"] == 0.5
     for before, after in zip(history, history[1:]):
         expected = M.adaptive_kl_beta(before["objective/kl_coef"], before["objective/kl"], 0.05, 64, 200)
@@ -509,7 +516,7 @@ def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo(
     assert len({record["objective/kl_coef"] for record in history}) == len(history)  # beta moved every iteration
 
 
-def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update():
+def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update(enumerable_eos):
     """InstructGPT's PPO-ptx term gamma E_pretrain[log pi(x)]. With a zero reward and beta = 0 every advantage is
     0, so plain PPO leaves the policy exactly where it is, and only the ptx term can move it: towards the corpus."""
     responses, _, _, ref = enumerable_task()
@@ -529,8 +536,7 @@ def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update():
                       num_minibatches=4, ppo_lr=0.05, ptx_coef=ptx_coef)
         policy = copy.deepcopy(ref).requires_grad_(True)
         history = M.run_ppo(args, beta=0.0, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
-                            score_fn=zero_score, sample_prompts=enumerable_prompts, eos_id=ENUM_EOS,
-                            sample_corpus=corpus_batch)
+                            score_fn=zero_score, sample_prompts=enumerable_prompts, sample_corpus=corpus_batch)
         probability[ptx_coef] = exact_distribution(policy, responses, 1.0)[target_index].item()
         if ptx_coef == 0:
             assert calls == [] and "loss/ptx_avg" not in history[0]
@@ -556,7 +562,8 @@ BAD_VALUES = {  # one bad value for every numeric flag of Args
 def test_every_numeric_flag_has_a_range_and_a_bad_value_here():
     numeric = {field.name for field in dataclasses.fields(M.Args)
                if field.type in (int, float) or typing.get_args(field.type)[:1] == (float,)}
-    assert numeric == set(BAD_VALUES) == set(M.FLAG_RANGES)
+    ranged = [name for names, _, _ in M.FLAG_RANGES for name in names]
+    assert numeric == set(BAD_VALUES) == set(ranged) and len(ranged) == len(set(ranged))
 
 
 @pytest.mark.parametrize("name, value", BAD_VALUES.items())
@@ -855,3 +862,32 @@ def test_sigterm_stops_after_the_current_step_keeps_finished_stages_and_exits_14
     checkpoint = M.load_checkpoint(str(run_dir / "ppo_policy.pt"), "--load-sft", "cpu")[1]
     assert checkpoint["ppo_iterations_done"] == len(ppo_records) >= 2
     assert M.load_checkpoint(str(run_dir / "rm.pt"), "--load-rm", "cpu")[1]["rm_info"]["rm/epochs"] == 1
+
+
+def test_a_signal_stops_at_the_next_safe_point_and_a_second_one_at_once_with_one_line(in_tmp, capsys):
+    """In one process: a first SIGTERM is only recorded; the next safe point raises Stopped, and leaving the block
+    prints one line on what was kept and exits 143 (also after the last stage); a second signal exits at once with
+    one line and 128 + its number; the handlers come back and the next run starts with no signal recorded."""
+    previous = signal.getsignal(signal.SIGTERM)
+    os.mkdir("run")
+
+    def stopped_run(*signals, stage="SFT"):
+        with pytest.raises(SystemExit) as stop:
+            with M.StopOnSignal(M.Args(save_model=True), "run", M.Logger(M.Args(), "run", "run")) as run:
+                M.stop_if_signalled("SFT", 0)  # no signal yet: goes on
+                run.save("sft.pt", tiny_checkpoint("unused.pt"))
+                for signum in signals:
+                    signal.raise_signal(signum)
+                if stage is not None:
+                    M.stop_if_signalled(stage, 7)
+                    raise AssertionError("the safe point did not stop the run")
+        assert signal.getsignal(signal.SIGTERM) is previous and not M.SIGNALS_RECEIVED
+        return stop.value.code, capsys.readouterr().out.strip().splitlines()[-1]
+
+    assert stopped_run(signal.SIGTERM, stage="the reward model") == (
+        143, "SIGTERM: stopped during the reward model; kept in run: metrics.jsonl, TensorBoard events, sft.pt")
+    assert stopped_run(signal.SIGINT, stage=None) == (
+        130, "SIGINT: stopped during the final evaluation; kept in run: metrics.jsonl, TensorBoard events, sft.pt")
+    assert stopped_run(signal.SIGTERM, signal.SIGINT) == (
+        130, "SIGINT again: stopped at once; kept in run: metrics.jsonl, TensorBoard events, sft.pt")
+    assert os.listdir("run").count("sft.pt") == 1
