@@ -6,11 +6,13 @@ Each chosen function keeps its signature, decorators and docstring; its body bec
 NotImplementedError with the exercise's text (exercises/texts.py). A function that several scripts share
 (compute_gae, policy_loss and value_loss are in ppo_procgen.py and ppg_procgen.py) gets the same stub in every copy,
 so the shared blocks stay identical. Everything else is untouched, so the starter scripts import and run all that
-does not need a blank. DIR also gets a copy of exercises/ (the graders), so that in DIR
+does not need a blank. DIR also gets the public grader (BUNDLE: the grading engine, the exercises' texts, the cue
+task and the public cases as data), so that in DIR
 
   python exercises/grade.py gae ppo_procgen.py
 
-grades the student's copy."""
+grades the student's copy. No solution ships: not the references, not the instructor's grader, not the hidden cases
+(tests/test_exercises.py checks that no reference body is in the bundle)."""
 import argparse
 import ast
 import os
@@ -25,6 +27,7 @@ if ROOT not in sys.path:
 from exercises.texts import EXERCISE_OF, EXERCISES, STUB_TEXT  # noqa: E402
 
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
+BUNDLE = ("__init__.py", "grading.py", "grade.py", "texts.py", "cue_env.py", "conftest.py", "test_grade.py", "cases")
 
 
 def stub_body(function_name, indent):
@@ -84,11 +87,22 @@ def make_starter(exercises, out, with_graders=True, root=ROOT):
     if missing:
         raise SystemExit(f"error: no script defines {', '.join(sorted(missing))}")
     if with_graders:
-        target = os.path.join(out, "exercises")
-        if os.path.abspath(target) != HERE:
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(HERE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        copy_bundle(os.path.join(out, "exercises"))
     return written
+
+
+def copy_bundle(target):
+    """The public grader, and nothing else of exercises/."""
+    if os.path.abspath(target) == HERE:
+        raise SystemExit("error: --out may not be the repository itself (the bundle would replace exercises/)")
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(target)
+    for name in BUNDLE:
+        source = os.path.join(HERE, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, os.path.join(target, name), ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, target)
 
 
 def main(argv=None):
@@ -96,7 +110,7 @@ def main(argv=None):
     parser.add_argument("--exercises", default=",".join(EXERCISES),
                         help=f"comma-separated, from {', '.join(EXERCISES)} (default: all)")
     parser.add_argument("--out", required=True, help="folder for the starter scripts")
-    parser.add_argument("--no-graders", action="store_true", help="do not copy exercises/ into the folder")
+    parser.add_argument("--no-graders", action="store_true", help="do not copy the public grader into the folder")
     options = parser.parse_args(argv)
     exercises = [name.strip() for name in options.exercises.split(",") if name.strip()]
     written = make_starter(exercises, options.out, with_graders=not options.no_graders)

@@ -158,16 +158,27 @@ def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
     return [np.array(0.5 * total / len(new_value))]
 
 
+def _square(x):
+    return x * x
+
+
+def _huber(x):
+    """2 * smooth_l1(x): x^2 for |x| <= 1, 2 |x| - 1 beyond (so that 0.5 * _huber is F.smooth_l1_loss)."""
+    return x * x if abs(x) <= 1.0 else 2.0 * abs(x) - 1.0
+
+
 def _value_variant(new_value, old_value, returns, clip_coef, clip_vloss, half=0.5, pick=max, around="old",
-                   unclipped=True, clip=None):
+                   unclipped=True, clip=None, square=None, square_clipped=None):
     clip_vloss = clip_vloss if clip is None else clip
+    square = square or _square
+    square_clipped = square_clipped or square
     total = 0.0
     for i in range(len(new_value)):
-        error = (new_value[i] - returns[i]) ** 2
+        error = square(new_value[i] - returns[i])
         if clip_vloss:
             center = old_value[i] if around == "old" else returns[i]
             clipped = center + min(max(new_value[i] - center, -clip_coef), clip_coef)
-            clipped_error = (clipped - returns[i]) ** 2
+            clipped_error = square_clipped(clipped - returns[i])
             error = pick(error, clipped_error) if unclipped else clipped_error
         total += error
     return [np.array(half * total / len(new_value))]
@@ -189,6 +200,14 @@ VALUE_LOSS_MUTANTS = [
      "the max of the two squared errors."),
     ("clip_vloss ignored (always clipped)", _variant(_value_variant, clip=True),
      "clip_vloss=False asks for the plain 0.5 * E[(V - V_targ)^2], without clipping."),
+    ("a Huber (smooth L1) error", _variant(_value_variant, square=_huber),
+     "the error is not squared beyond |V - V_targ| = 1 (a Huber / smooth-L1 loss): the value loss is "
+     "0.5 * (V - V_targ)^2 for errors of every size."),
+    ("a Huber (smooth L1) error in the clipped branch", _variant(_value_variant, square_clipped=_huber),
+     "the clipped branch's error is not squared beyond |V_clip - V_targ| = 1 (a Huber / smooth-L1 loss): "
+     "both branches are squared errors, 0.5 * E[max((V - V_targ)^2, (V_clip - V_targ)^2)]."),
+    ("an absolute error", _variant(_value_variant, square=abs),
+     "the error is |V - V_targ|, not (V - V_targ)^2: the value loss is 0.5 * E[(V - V_targ)^2]."),
 ]
 
 
@@ -212,8 +231,10 @@ def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone
 
 
 def _aux_variant(logits, old_logits, value, aux_value, value_targets, beta_clone, kl_form="kl", kl_mean_actions=False,
-                 with_value=True, beta_on="kl", half=0.5, aux_from="aux"):
+                 with_value=True, beta_on="kl", half=0.5, aux_from="aux", square=None, square_value=None):
     M, A = logits.shape
+    square = square or _square
+    square_value = square_value or square
     kl = 0.0
     for s in range(M):
         log_p_old, log_p = _log_softmax(old_logits[s]), _log_softmax(logits[s])
@@ -228,8 +249,8 @@ def _aux_variant(logits, old_logits, value, aux_value, value_targets, beta_clone
         kl += sum(terms) / (A if kl_mean_actions else 1)
     kl /= M
     heads = aux_value if aux_from == "aux" else value
-    aux = half * sum((heads[s] - value_targets[s]) ** 2 for s in range(M)) / M
-    true = half * sum((value[s] - value_targets[s]) ** 2 for s in range(M)) / M
+    aux = half * sum(square(heads[s] - value_targets[s]) for s in range(M)) / M
+    true = half * sum(square_value(value[s] - value_targets[s]) for s in range(M)) / M
     joint = aux + beta_clone * kl if beta_on == "kl" else beta_clone * aux + kl
     return [np.array(joint + (true if with_value else 0.0)), np.array(aux), np.array(kl), np.array(true)]
 
@@ -256,12 +277,36 @@ PPG_AUX_LOSS_MUTANTS = [
     ("L_aux of the value head", _variant(_aux_variant, aux_from="value"),
      "L_aux trains the auxiliary value head (aux_value, on the policy network); value is the value network's head, "
      "trained by L_value."),
+    ("a Huber (smooth L1) value error", _variant(_aux_variant, square=_huber),
+     "the value errors are not squared beyond 1 (a Huber / smooth-L1 loss): both value losses are "
+     "0.5 * E[(V - V_targ)^2] for errors of every size."),
+    ("a Huber (smooth L1) error in L_aux", _variant(_aux_variant, square=_huber, square_value=_square),
+     "L_aux's error is not squared beyond 1 (a Huber / smooth-L1 loss): L_aux = 0.5 * E[(V_aux - V_targ)^2] for "
+     "errors of every size."),
+    ("a Huber (smooth L1) error in L_value", _variant(_aux_variant, square_value=_huber),
+     "L_value's error is not squared beyond 1 (a Huber / smooth-L1 loss): L_value = 0.5 * E[(V - V_targ)^2] for "
+     "errors of every size."),
 ]
 
 
 # ---------------------------------------------------------------- 4. V-trace
 def _clip(x, threshold):
     return x if threshold is None else min(threshold, x)
+
+
+def trailing(function):
+    """`function` on [T, B, ...] inputs whose trailing dims broadcast (size 1 or values'), with a float, 0-dim or
+    per-step lambda_: broadcast everything to one [T, B, ...] shape, flatten it to [T, B'], reshape the outputs."""
+    def wrapped(log_rhos, discounts, rewards, values, bootstrap_value, lambda_=1.0, **thresholds):
+        lam = np.asarray(lambda_, dtype=np.float64)
+        shape = np.broadcast_shapes(log_rhos.shape, discounts.shape, rewards.shape, values.shape,
+                                    lam.shape if lam.ndim else ())
+        flat = [np.broadcast_to(x, shape).reshape(shape[0], -1) for x in (log_rhos, discounts, rewards, values)]
+        lam = np.broadcast_to(lam, shape).reshape(shape[0], -1)
+        boot = np.broadcast_to(bootstrap_value, shape[1:]).reshape(-1)
+        outputs = function(*flat, boot, lambda_=lam, **thresholds)
+        return [output.reshape(shape) for output in outputs]
+    return wrapped
 
 
 def from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
@@ -289,6 +334,9 @@ def from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_valu
             v_next = vs[s + 1, b] if s + 1 < T else bootstrap_value[b]
             pg[s, b] = _clip(rho[s], clip_pg_rho_threshold) * (rewards[s, b] + discounts[s, b] * v_next - V[s])
     return [vs, pg]
+
+
+from_importance_weights = trailing(from_importance_weights)
 
 
 def _vtrace_variant(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
@@ -322,6 +370,8 @@ def _vtrace_variant(log_rhos, discounts, rewards, values, bootstrap_value, clip_
                                  (rewards[s, b] + discounts[s, b] * v_next - V[s]))
     return [vs, pg]
 
+
+_vtrace_variant = trailing(_vtrace_variant)
 
 VTRACE_MUTANTS = [
     ("c_bar truncated with rho_bar", _variant(_vtrace_variant, c_with="rho_bar"),

@@ -47,6 +47,8 @@ done_T = next_done. Equivalently A_t = sum_{k >= t} (gamma lambda)^(k - t) delta
 until the episode ends. Loop backwards over t. Return the advantages only: train adds the
 values to get the value targets.
 
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
+
 Grade it:  python exercises/grade.py gae <this script>""",
 
     "policy_loss": """Exercise ppo_loss (1 of 2): PPO's surrogate objective (PPO Eqs. 7 and 8), negated.
@@ -61,6 +63,8 @@ Output: a scalar to MINIMIZE (the negated objective), a mean over the minibatch:
   "clip"       (Eq. 7): L = E[min(r A, clip(r, 1 - eps, 1 + eps) A)]     return -L
   "kl-penalty" (Eq. 8): L = E[r A - beta KL(pi_old(.|s) || pi(.|s))]     return -L
 
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
+
 Grade it:  python exercises/grade.py ppo_loss <this script>""",
 
     "value_loss": """Exercise ppo_loss (2 of 2): the value loss (L^VF of PPO Eq. 9, clipped as in baselines).
@@ -71,6 +75,8 @@ Output: a scalar, 0.5 * E[squared error]:
   clip_vloss False:  0.5 * E[(V(s) - V_targ)^2]
   clip_vloss True:   V_clip = old_value + clip(V(s) - old_value, -eps, eps)
                      0.5 * E[max((V(s) - V_targ)^2, (V_clip - V_targ)^2)]
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
 
 Grade it:  python exercises/grade.py ppo_loss <this script>""",
 
@@ -90,6 +96,8 @@ Output: (loss, (aux_value_loss, kl, true_value_loss)), four scalars:
   loss            = L_joint + L_value = aux_value_loss + beta_clone * kl + true_value_loss
 (L_joint trains theta_pi, L_value trains theta_V: the parameters are disjoint, so one sum
 serves both.) Take log-probabilities with log_softmax.
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
 
 Grade it:  python exercises/grade.py ppg_aux <this script>""",
 
@@ -116,20 +124,23 @@ Algorithm 1, auxiliary phase:
      With n_aux_grad_accum > 1, split each minibatch into that many chunks and accumulate
      the gradients of loss * len(chunk) / len(minibatch) before the one step.
   Raise FloatingPointError if the gradient norms are not finite (as ppo_update does).
+  The policy phase's gradients may still be in .grad when the phase starts. Average the
+  statistics over every minibatch of every epoch. Never write into the buffer.
 
 Grade it:  python exercises/grade.py ppg_aux <this script>""",
 
     "from_importance_weights": """Exercise vtrace: V-trace targets and policy-gradient advantages
 (IMPALA Eq. 1, Remark 1 and section 4.2).
 
-Inputs, time-major torch tensors:
+Inputs, time-major torch tensors ([T, B] here; [T, B, ...] in general, where the trailing
+dims of log_rhos, discounts, rewards may be 1 and broadcast against values):
   log_rhos         [T, B]  log pi(a_s|x_s) - log mu(a_s|x_s)
   discounts        [T, B]  gamma_s = gamma * (1 - done_s)
   rewards, values  [T, B]  r_s and V(x_s)
-  bootstrap_value  [B]     V(x_T)
+  bootstrap_value  [B]     V(x_T), shape values.shape[1:]
   clip_rho_threshold = rho_bar, clip_c_threshold = c_bar,
   clip_pg_rho_threshold = rho_bar_pg: each a float, or None for no truncation
-  lambda_          a float in [0, 1] (or a tensor)
+  lambda_          a float in [0, 1], a 0-dim tensor, or a per-step [T, B] tensor
 Output: VTraceReturns(vs=[T, B], pg_advantages=[T, B]), constants (no gradient).
 
   rho_s       = exp(log_rhos[s])
@@ -140,6 +151,8 @@ Output: VTraceReturns(vs=[T, B], pg_advantages=[T, B]), constants (no gradient).
                 accumulated backwards from 0 after step T - 1
   A_s         = min(rho_bar_pg, rho_s) * (r_s + gamma_s v_{s+1} - V(x_s)),  v_T = bootstrap
 lambda multiplies only the trace (SEED RL's convention): the pg target keeps v_{s+1}.
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
 
 Grade it:  python exercises/grade.py vtrace <this script>""",
 
@@ -159,6 +172,8 @@ Output: rewards [B, L]:
   final token when there is no EOS).
 A response may end at its first token (mask [1, 0, 0, ...]).
 
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
+
 Grade it:  python exercises/grade.py rlhf <this script>""",
 
     "bradley_terry_loss": """Exercise rlhf (2 of 2): the reward model's Bradley-Terry loss
@@ -169,6 +184,8 @@ other response of P pairs.
 Output: a scalar, the mean negative log-likelihood of the labellers' choices:
   loss = E[-log sigma(r_chosen - r_rejected)]
 Keep it finite for margins of hundreds: use a numerically stable log-sigmoid.
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
 
 Grade it:  python exercises/grade.py rlhf <this script>""",
 }

@@ -1,0 +1,698 @@
+"""The grading engine that both graders share: run a student's functions on cases, score every case, explain
+each failure. It holds no solution: a case carries its inputs, the expected outputs (and gradients) and the answers
+of typical mistakes as DATA (the public cases: exercises/cases/*.json; the instructor's hidden cases are made the
+same way by exercises/instructor.py from its references).
+
+Every case is run, a failure does not stop the rest, and each case is worth its points. Besides the values, every
+case checks the contract that the stubs state: the outputs have the inputs' dtype and device, and the inputs are
+never modified in place. The auxiliary phase of PPG is a procedure, so its cases run it on a tiny float64 agent
+(`TinyAgent`) whose rollouts the grader can recognise."""
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import io
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from exercises.texts import EXERCISES
+
+RTOL, ATOL = 1e-5, 1e-6  # float64 inputs: a correct answer agrees to ~1e-12; float32 work inside still passes
+RTOL_32, ATOL_32 = 1e-3, 1e-4  # the float32 contract case
+CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases")
+OUTPUT_NAMES = {"ppg_aux_loss": ["loss", "aux_value_loss", "kl", "true_value_loss"],
+                "from_importance_weights": ["vs", "pg_advantages"]}
+
+
+class Failed(Exception):
+    """A check failed; the message is for the student."""
+
+
+# ---------------------------------------------------------------- loading a script
+def load_script(path):
+    """Import a script from its file path as a fresh module (nothing in a script runs at import time)."""
+    path = os.path.abspath(path)
+    name = f"graded_{os.path.splitext(os.path.basename(path))[0]}_{abs(hash((path, time.time_ns())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def exercise_text(error):
+    """The stub's message (the exercise's text), indented for the report."""
+    return textwrap.indent(textwrap.dedent(str(error)).strip(), "    ")
+
+
+# ---------------------------------------------------------------- cases as data
+@dataclasses.dataclass
+class Case:
+    function: str
+    name: str
+    inputs: dict  # keyword -> numpy array (becomes a tensor) or a plain value
+    expected: list = None  # the outputs, numpy arrays in OUTPUT_NAMES order; for a phase case: its expectations
+    grads: dict = dataclasses.field(default_factory=dict)  # input -> expected gradient of the first output
+    mistakes: list = dataclasses.field(default_factory=list)  # [{"name", "hint", "outputs"}]
+    points: float = 1.0
+    hidden: bool = False
+    kind: str = "values"  # "values", "float32" (the dtype contract), "cuda", "phase"
+
+
+def encode(value):
+    if isinstance(value, np.ndarray):
+        return {"array": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {key: encode(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def decode(value):
+    if isinstance(value, dict) and set(value) == {"array", "dtype"}:
+        return np.array(value["array"], dtype=value["dtype"])
+    if isinstance(value, dict):
+        return {key: decode(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [decode(item) for item in value]
+    return value
+
+
+def save_cases(path, cases):
+    with open(path, "w") as f:
+        json.dump([encode(dataclasses.asdict(case)) for case in cases], f, indent=None, allow_nan=True)
+        f.write("\n")
+
+
+def load_cases(function_name, directory=CASES_DIR):
+    with open(os.path.join(directory, f"{function_name}.json")) as f:
+        return [Case(**decode(item)) for item in json.load(f)]
+
+
+# ---------------------------------------------------------------- results and the report
+@dataclasses.dataclass
+class Result:
+    item: str
+    points: float
+    max_points: float
+    message: str = ""
+    hidden: bool = False
+
+    @property
+    def passed(self):
+        return self.points >= self.max_points
+
+
+def report_lines(results, verbose=True):
+    lines = []
+    for result in results:
+        mark = "ok  " if result.passed else "FAIL"
+        label = "hidden case" if result.hidden and not result.passed else result.item
+        if result.passed and not verbose:
+            continue
+        lines.append(f"  {mark} {result.points:g}/{result.max_points:g}  {label}")
+        if result.message:
+            lines.append(textwrap.indent(result.message.rstrip(), "        "))
+    return lines
+
+
+def score(results):
+    return sum(r.points for r in results), sum(r.max_points for r in results)
+
+
+# ---------------------------------------------------------------- comparison and messages
+def fmt(value):
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            return f"{float(value):.6g}"
+        return np.array2string(value, precision=4, suppress_small=True, max_line_width=100, separator=", ")
+    return repr(value)
+
+
+def field(name, value, width):
+    """One line of a report, "  name = value", a multi-line array aligned under its first row."""
+    return f"  {name:<{width}} = " + fmt(value).replace("\n", "\n" + " " * (width + 5))
+
+
+def close(got, expected, rtol=RTOL, atol=ATOL):
+    """Same shapes and values; infinities and NaNs must match exactly."""
+    return len(got) == len(expected) and all(
+        np.shape(g) == np.shape(e) and np.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+        for g, e in zip(got, expected))
+
+
+def first_difference(got, expected, names):
+    for name, g, e in zip(names, got, expected):
+        if np.shape(g) != np.shape(e):
+            return f"{name}: expected shape {np.shape(e)}, got shape {np.shape(g)}"
+        if not np.allclose(g, e, rtol=RTOL, atol=ATOL, equal_nan=True):
+            if np.ndim(e) == 0:
+                return f"{name}: expected {float(e):.6g}, got {float(g):.6g}"
+            bad = np.argwhere(~np.isclose(g, e, rtol=RTOL, atol=ATOL, equal_nan=True))[0]
+            where = ", ".join(str(i) for i in bad)
+            return f"{name}, first difference at [{where}]: expected {e[tuple(bad)]:.6g}, got {g[tuple(bad)]:.6g}"
+    return ""
+
+
+def describe_inputs(case):
+    width = max(len(name) for name in case.inputs)
+    return ["inputs:"] + [field(key, value, width) for key, value in case.inputs.items()]
+
+
+# What a bare PyTorch or Python error means when a student's function raises it: (pattern, explanation).
+ERROR_HINTS = [
+    (r"Boolean value of Tensor with more than one", "Python's min/max/if/and/or compare whole tensors: use the "
+     "elementwise torch.minimum / torch.maximum / torch.clamp / torch.where."),
+    (r"a leaf Variable that requires grad is being used in an in-place", "an input is modified in place "
+     "(x += ..., x[i] = ..., x.clamp_(...)): never change the inputs; build new tensors from them."),
+    (r"modified by an inplace operation", "a tensor that the gradient needs was overwritten in place after it was "
+     "used: write into a fresh tensor (torch.zeros_like) or collect the pieces and torch.stack them."),
+    (r"backward through the graph a second time", "a graph is reused across optimizer steps: pi_old (or another "
+     "stored tensor) was computed WITH gradients. Compute pi_old once, before the first step, under torch.no_grad() "
+     "(it is a constant); each minibatch builds its own loss. retain_graph=True would hide the bug, not fix it."),
+    (r"does not require grad and does not have a grad_fn", "the loss has no gradient: it was computed under "
+     "torch.no_grad(), or from .detach()/.item()/.numpy() values; build it from the network's outputs."),
+    (r"tensors used as indices must be long", "an index tensor must be an integer tensor: mask.sum(1) is a float, "
+     "use mask.sum(1).long() - 1."),
+    (r"NoneType", "a value is None: args.num_aux_rollouts is None by default (the PPG code's 4 per 64 games); the "
+     "minibatch size in rollouts is aux_rollouts_per_rank(args)."),
+    (r"only one element tensors can be converted|fill_value", "lambda_ may be a per-step tensor (and a 0-dim one): "
+     "multiply by it as a tensor; float(lambda_) or torch.full_like(x, lambda_) accept only a number."),
+    (r"too many values to unpack|not enough values to unpack", "the inputs may have trailing dims ([T, B, ...]): "
+     "take T = values.shape[0] and build new tensors with torch.zeros_like, without unpacking the shape."),
+    (r"Can't call numpy\(\) on Tensor that requires grad", "stay in torch: .numpy() cuts the gradient; use torch "
+     "operations on the input tensors."),
+    (r"expected (scalar type|m1 and m2 to have the same dtype)|found dtype|dtype", "tensors of different dtypes "
+     "meet: create new tensors with the inputs' dtype (torch.zeros_like(x), or dtype=x.dtype)."),
+    (r"same device|Expected all tensors to be on the same device", "tensors on different devices meet: create new "
+     "tensors on the inputs' device (torch.zeros_like(x), or device=x.device)."),
+    (r"must match the size of tensor|shape .* is invalid|size mismatch|cannot be broadcast", "the shapes do not "
+     "match: check each tensor's shape against the docstring ([T, N] per step, [N] for the state after the "
+     "rollout)."),
+    (r"out of bounds|out of range", "an index past the end: the last response token is at mask.sum(1) - 1; the "
+     "last step of a rollout is T - 1, whose next state is next_value / bootstrap_value."),
+]
+
+
+def explain_error(error):
+    """The student's exception as a short report: where, what, and what it usually means."""
+    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-3)
+    lines = ["".join(frames).rstrip()]
+    text = f"{type(error).__name__}: {error}"
+    for pattern, hint in ERROR_HINTS:
+        if re.search(pattern, text):
+            lines.append(f"hint: {hint}")
+            break
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- running a function on a case
+def as_tensors(inputs, dtype=torch.float64, device="cpu", grad=()):
+    tensors = {}
+    for key, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            value = torch.tensor(value, dtype=dtype, device=device, requires_grad=key in grad)
+        tensors[key] = value
+    return tensors
+
+
+def outputs_of(function_name, result):
+    """The student's result as a list of tensors, in the reference's order."""
+    if function_name == "ppg_aux_loss":
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], (tuple, list))
+                and len(result[1]) == 3):
+            raise Failed("ppg_aux_loss must return (loss, (aux_value_loss, kl, true_value_loss)); got "
+                         f"{type(result).__name__} {result!r:.200}")
+        items = [result[0], *result[1]]
+    elif function_name == "from_importance_weights":
+        if hasattr(result, "vs") and hasattr(result, "pg_advantages"):
+            items = [result.vs, result.pg_advantages]
+        elif isinstance(result, tuple) and len(result) == 2:
+            items = list(result)
+        else:
+            raise Failed("from_importance_weights must return VTraceReturns(vs=..., pg_advantages=...); got "
+                         f"{type(result).__name__}")
+    else:
+        items = [result]
+    for item in items:
+        if not torch.is_tensor(item):
+            raise Failed(f"{function_name} must return torch tensors (so the gradient can flow and the dtype and "
+                         f"device follow the inputs); got {type(item).__name__} {item!r:.100}")
+    return items
+
+
+def numpy_of(items):
+    return [item.detach().double().cpu().numpy() for item in items]
+
+
+def call(function, function_name, tensors):
+    """The student's function on `tensors`: its outputs, or Failed with the exercise's text or the error."""
+    try:
+        return outputs_of(function_name, function(**tensors))
+    except NotImplementedError as error:
+        raise Failed(f"{function_name} is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                     + exercise_text(error))
+    except Failed:
+        raise
+    except Exception as error:
+        raise Failed(f"{function_name} raised an error:\n" + explain_error(error))
+
+
+def unchanged(before, after):
+    """The names of the tensor inputs that the call changed in place."""
+    changed = []
+    for key, value in before.items():
+        if torch.is_tensor(value) and not torch.equal(value.nan_to_num(), after[key].detach().nan_to_num()):
+            changed.append(key)
+    return changed
+
+
+def find_mistake(case, got, others):
+    """The typical mistake that reproduces the student's answer: on this case, and on most of the others."""
+    best = None
+    for mistake in case.mistakes:
+        if not close(got, mistake["outputs"]):
+            continue
+        name = mistake["name"]
+        agree = sum(close(out, m["outputs"]) for c, out in others for m in c.mistakes if m["name"] == name)
+        if best is None or agree > best[0]:
+            best = (agree, name, mistake["hint"])
+    return best
+
+
+def check_values(function, case, others):
+    """A float64 case: values, dtype and device, inputs untouched, then the gradients. Raises Failed."""
+    names = OUTPUT_NAMES.get(case.function, ["output"])
+    tensors = as_tensors(case.inputs)
+    before = {key: value.clone() if torch.is_tensor(value) else value for key, value in tensors.items()}
+    items = call(function, case.function, tensors)
+    got = numpy_of(items)
+    problems = []
+    if not close(got, case.expected):
+        lines = [f"{case.function} differs from the definition:", *describe_inputs(case), "expected:"]
+        width = max(len(name) for name in names)
+        lines += [field(name, e, width) for name, e in zip(names, case.expected)]
+        lines += ["got:"] + [field(name, g, width) for name, g in zip(names, got)]
+        lines.append(first_difference(got, case.expected, names))
+        mistake = find_mistake(case, got, others)
+        if mistake is not None:
+            lines.append(f"hint ({mistake[1]}): {mistake[2]}")
+        else:
+            lines.append("hint: no common mistake gives this answer; compare your code line by line with the "
+                         "equation in the docstring, starting at the first difference.")
+        problems.append("\n".join(lines))
+    wrong_dtype = [name for name, item in zip(names, items) if item.dtype != torch.float64]
+    if wrong_dtype:
+        problems.append(f"float64 inputs gave {', '.join(wrong_dtype)} in {items[0].dtype}.\nhint: outputs must have "
+                        "the inputs' dtype (create new tensors with torch.zeros_like(x) or dtype=x.dtype).")
+    changed = unchanged(before, tensors)
+    if changed:
+        problems.append(f"the input(s) {', '.join(changed)} were modified in place.\nhint: a caller "
+                        "still needs them (train logs and reuses them). Build new tensors instead of x += ..., x[i] = ... or "
+                        "x.clamp_(...).")
+    if problems:
+        raise Failed("\n".join(problems))
+    check_gradients(function, case)
+
+
+def check_gradients(function, case):
+    if not case.grads:
+        return
+    tensors = as_tensors(case.inputs, grad=tuple(case.grads))
+    loss = call(function, case.function, tensors)[0]
+    if not loss.requires_grad:
+        raise Failed(f"{case.function}: the value is right but no gradient reaches {', '.join(case.grads)}: do not "
+                     ".detach(), .item(), .numpy() or re-wrap the inputs with torch.tensor(...); build the result "
+                     "from them with torch operations.")
+    wanted = [tensors[key] for key in case.grads]
+    try:
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+    except RuntimeError as error:
+        raise Failed(f"{case.function}: the gradient cannot be computed:\n" + explain_error(error))
+    for key, grad in zip(case.grads, grads):
+        expected = case.grads[key]
+        got = np.zeros_like(expected) if grad is None else grad.double().numpy()
+        if not np.allclose(got, expected, rtol=1e-4, atol=1e-6):
+            raise Failed(f"{case.function}: the value is right but its gradient with respect to {key} is not:\n"
+                         f"{field('expected', expected, 8)}\n{field('got', got, 8)}\nhint: a term computed from "
+                         "detached values, or a clamp/max that passes no gradient where it should.")
+
+
+def check_float32(function, case):
+    """The same case with float32 inputs: float32 outputs, the values to float32 precision."""
+    names = OUTPUT_NAMES.get(case.function, ["output"])
+    items = call(function, case.function, as_tensors(case.inputs, dtype=torch.float32))
+    wrong = [name for name, item in zip(names, items) if item.dtype != torch.float32]
+    if wrong:
+        raise Failed(f"float32 inputs gave {', '.join(wrong)} in {items[0].dtype}.\nhint: outputs must have "
+                     "the inputs' dtype (torch.zeros_like(x), dtype=x.dtype; a Python float keeps a tensor's dtype, a numpy "
+                     "float64 array does not).")
+    if not close(numpy_of(items), case.expected, RTOL_32, ATOL_32):
+        raise Failed("with float32 inputs the values differ from the float64 answer by more than float32 rounding "
+                     f"(rtol {RTOL_32}):\n" + first_difference(numpy_of(items), case.expected, names))
+
+
+def check_cuda(function, case):
+    names = OUTPUT_NAMES.get(case.function, ["output"])
+    items = call(function, case.function, as_tensors(case.inputs, device="cuda"))
+    wrong = [name for name, item in zip(names, items) if item.device.type != "cuda"]
+    if wrong:
+        raise Failed(f"CUDA inputs gave {', '.join(wrong)} on {items[0].device}.\nhint: outputs must be on "
+                     "the inputs' device (torch.zeros_like(x), or device=x.device).")
+    if not close(numpy_of(items), case.expected, RTOL_32, ATOL_32):
+        raise Failed("on CUDA the values differ:\n" + first_difference(numpy_of(items), case.expected, names))
+
+
+def student_outputs(function, cases):
+    """The student's float64 answers on every case it runs on, to tell apart mistakes that agree on one case."""
+    answers = []
+    for case in cases:
+        if case.kind != "values":
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                answers.append((case, numpy_of(outputs_of(case.function, function(**as_tensors(case.inputs))))))
+        except Exception:
+            pass
+    return answers
+
+
+def run_case(module, case, others, where=""):
+    """One case, scored: its points, or 0 and the reason."""
+    label = f"{case.function}{where}: {case.name}"
+    function = getattr(module, case.function, None)
+    if function is None:
+        return Result(label, 0.0, case.points, f"{case.function} is not defined in this file", case.hidden)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            if case.kind == "phase":
+                check_phase(module, case)
+            elif case.kind == "float32":
+                check_float32(function, case)
+            elif case.kind == "cuda":
+                check_cuda(function, case)
+            else:
+                check_values(function, case, others)
+    except Failed as failure:
+        return Result(label, 0.0, case.points, str(failure), case.hidden)
+    except Exception as error:  # the grader's own trouble with a strange answer: never stop the other cases
+        return Result(label, 0.0, case.points, "the check could not run:\n" + explain_error(error), case.hidden)
+    return Result(label, case.points, case.points, "", case.hidden)
+
+
+def contract_cases(cases):
+    """The dtype (and, with a GPU, device) contract, one case per function, made from its first float64 case."""
+    extra = []
+    for case in cases:
+        if case.kind != "values" or case.hidden or any(c.function == case.function for c in extra):
+            continue
+        extra.append(dataclasses.replace(case, name="float32 inputs give float32 outputs", kind="float32",
+                                         mistakes=[], grads={}))
+        if torch.cuda.is_available():
+            extra.append(dataclasses.replace(case, name="CUDA inputs give CUDA outputs", kind="cuda", mistakes=[],
+                                             grads={}))
+    return extra
+
+
+def run_cases(module, cases, where=""):
+    """Every case of every function, each scored on its own; with one thread (tiny tensors)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = []
+        cases = list(cases) + contract_cases(cases)
+        answers = {}
+        for case in cases:
+            if case.function not in answers and case.kind == "values" and hasattr(module, case.function):
+                answers[case.function] = student_outputs(getattr(module, case.function),
+                                                         [c for c in cases if c.function == case.function])
+            results.append(run_case(module, case, answers.get(case.function, []), where))
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
+def copies_agree(function_name, modules, cases):
+    """Two files' copies of one function give the same answers on every case (a harmless difference in the one
+    copy would hide a wrong copy otherwise). Returns a Result worth one point."""
+    names = list(modules)
+    label = f"{function_name}: the copies in {' and '.join(names)} agree"
+    for case in cases:
+        if case.kind != "values":
+            continue
+        answers = []
+        for name in names:
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    answers.append(numpy_of(outputs_of(function_name, getattr(modules[name], function_name)(
+                        **as_tensors(case.inputs)))))
+            except Exception as error:
+                answers.append(f"{type(error).__name__}: {error}")
+        if any(isinstance(a, str) for a in answers) or not all(close(a, answers[0]) for a in answers[1:]):
+            detail = "\n".join(f"  {name}: {fmt(a[0]) if not isinstance(a, str) else a}"
+                               for name, a in zip(names, answers))
+            return Result(label, 0.0, 1.0, f"the copies give different answers on '{case.name}':\n{detail}\n"
+                          "hint: the scripts share this function; keep one solution and paste it into every copy.")
+    return Result(label, 1.0, 1.0)
+
+
+# ---------------------------------------------------------------- PPG's auxiliary phase, on a tiny agent
+class TinyAgent(torch.nn.Module):
+    """A float64 stand-in for PPG's agent: forward_aux(obs) -> (logits, value, aux_value) from a frame's first
+    pixel (3 numbers); theta_pi = (trunk, policy, aux) and theta_V = (value_hidden, value) as two parameter groups. The
+    frame's second pixel holds the rollout's index and the step's (so the grader sees which rollouts a minibatch
+    holds), and every forward pass with gradients is logged."""
+
+    def __init__(self, weights):
+        super().__init__()
+        for name, array in weights.items():
+            setattr(self, name, torch.nn.Parameter(torch.tensor(array, dtype=torch.float64)))
+        self.calls = []
+
+    def features(self, obs):
+        return obs[:, 0, 0, :].double() / 255.0
+
+    def forward_aux(self, obs):
+        if torch.is_grad_enabled():
+            self.calls.append(sorted(set(obs[:, 0, 1, 0].tolist())))
+        hidden = torch.tanh(self.features(obs) @ self.trunk)  # shared: L_aux moves the policy too, so the KL acts
+        logits = hidden @ self.policy_weight + self.policy_bias
+        aux_value = hidden @ self.aux_weight + self.aux_bias
+        value = torch.tanh(self.features(obs) @ self.value_hidden) @ self.value_weight + self.value_bias
+        return logits, value, aux_value
+
+    def networks(self):
+        return [{"params": [self.trunk, self.policy_weight, self.policy_bias, self.aux_weight, self.aux_bias]},
+                {"params": [self.value_hidden, self.value_weight, self.value_bias]}]
+
+    def flat(self):
+        return torch.cat([p.detach().flatten() for p in self.parameters()]).numpy()
+
+
+def phase_buffer(features, targets):
+    """aux_obs [R, T, 64, 64, 3] uint8: pixel (0, 0) the features, pixel (0, 1) the rollout's and step's index."""
+    rollouts, steps = features.shape[:2]
+    aux_obs = torch.zeros((rollouts, steps, 64, 64, 3), dtype=torch.uint8)
+    aux_obs[:, :, 0, 0, :] = torch.tensor(features, dtype=torch.uint8)
+    aux_obs[:, :, 0, 1, 0] = torch.arange(rollouts)[:, None]
+    aux_obs[:, :, 0, 1, 1] = torch.arange(steps)[None, :]
+    return aux_obs, torch.tensor(targets, dtype=torch.float64)
+
+
+def phase_args(module, settings):
+    fields = {f.name for f in dataclasses.fields(module.Args)}
+    missing = sorted(set(settings) - fields)
+    if missing:
+        raise Failed(f"this script's Args lacks {', '.join(missing)}, which the auxiliary phase needs")
+    return module.Args(**settings)
+
+
+def run_phase(module, inputs, agent):
+    """The student's auxiliary_phase on the case's buffer with plain SGD; returns (stats, optimizer steps)."""
+    aux_obs, targets = phase_buffer(inputs["features"], inputs["targets"])
+    args = phase_args(module, inputs["args"])
+    optimizer = torch.optim.SGD(agent.networks(), lr=inputs["lr"])
+    if inputs.get("leftover") is not None:  # the policy phase's gradients, still in .grad when the phase starts
+        for name, array in inputs["leftover"].items():
+            getattr(agent, name).grad = torch.tensor(array, dtype=torch.float64)
+    torch.manual_seed(0)  # the student's shuffle: the same draws at every grading
+    steps = []
+    step = optimizer.step
+
+    def counted_step(*args, **kwargs):
+        steps.append(len(agent.calls))
+        return step(*args, **kwargs)
+
+    optimizer.step = counted_step
+    function = module.auxiliary_phase
+    available = dict(agent=agent, forward_aux=agent.forward_aux, optimizer=optimizer, aux_obs=aux_obs,
+                     aux_value_targets=targets, args=args, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    parameters = inspect.signature(function).parameters
+    unknown = [name for name, p in parameters.items() if name not in available and p.default is inspect.Parameter.empty]
+    if unknown:
+        raise Failed(f"auxiliary_phase has parameters the grader does not know: {unknown} (it passes "
+                     f"{sorted(available)})")
+    before = (aux_obs.clone(), targets.clone())
+    try:
+        stats = function(**{name: value for name, value in available.items() if name in parameters})
+    finally:
+        if not (torch.equal(before[0], aux_obs) and torch.equal(before[1].nan_to_num(), targets.nan_to_num())):
+            raise Failed("auxiliary_phase modified the buffer (aux_obs or aux_value_targets) in place: the caller "
+                         "keeps the buffer; read it, never write it.")
+    return stats, steps
+
+
+def check_phase(module, case):
+    """One procedure case of the auxiliary phase: what it checks is listed in case.expected."""
+    if not hasattr(module, "auxiliary_phase"):
+        raise Failed("auxiliary_phase is not defined in this file")
+    expected = case.expected
+    agent = TinyAgent(case.inputs["init"])
+    if expected.get("raises"):
+        check_phase_raises(module, case, agent)
+        return
+    try:
+        stats, steps = run_phase(module, case.inputs, agent)
+    except NotImplementedError as error:
+        raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                     + exercise_text(error))
+    except Failed:
+        raise
+    except Exception as error:
+        raise Failed("auxiliary_phase raised an error:\n" + explain_error(error))
+    problems = []
+    keys = ["aux/aux_value_loss", "aux/kl", "aux/value_loss"]
+    if not isinstance(stats, dict) or set(stats) != set(keys):
+        raise Failed(f"auxiliary_phase must return a dict with the keys {keys}; got {stats!r:.200}")
+    if "steps" in expected and len(steps) != expected["steps"]:
+        problems.append(f"expected {expected['steps']} optimizer steps ({expected['why_steps']}), got {len(steps)}.")
+    if "minibatch" in expected:
+        sizes = sorted({len(rollouts) for rollouts in agent.calls})
+        if sizes != [expected["minibatch"]] and len(steps) == expected.get("steps"):
+            problems.append(f"each forward pass with gradients should see {expected['minibatch']} rollouts, saw "
+                            f"{sizes}.")
+    if "shuffle" in expected:
+        problems += shuffle_problems(agent.calls, steps, expected)
+    if "stats" in expected:
+        for key in keys:
+            if not math.isclose(stats[key], expected["stats"][key], rel_tol=1e-4, abs_tol=1e-6):
+                problems.append(f"{key} should be {expected['stats'][key]:.6g}, got {stats[key]:.6g}.")
+    if "weights" in expected:
+        got = agent.flat()
+        if not np.allclose(got, expected["weights"], rtol=1e-4, atol=1e-6):
+            problems.append(f"the weights after the phase differ from Algorithm 1's (plain SGD) by up to "
+                            f"{np.abs(got - expected['weights']).max():.3g}.")
+            for mistake in case.mistakes:
+                if np.allclose(got, mistake["outputs"], rtol=1e-4, atol=1e-6):
+                    problems.append(f"hint ({mistake['name']}): {mistake['hint']}")
+                    break
+    if problems:
+        raise Failed("\n".join(problems + [f"hint: {expected['hint']}"]))
+
+
+def shuffle_problems(calls, steps, expected):
+    """Each epoch visits every rollout once; the epochs' orders are shuffled (not storage order, not one order)."""
+    rollouts, per_epoch = expected["shuffle"]
+    if len(steps) != per_epoch * expected["epochs"]:
+        return []  # the step count already failed
+    groups = [tuple(call) for call in calls]
+    if len(groups) != len(steps):
+        return [f"expected one forward pass with gradients per minibatch ({len(steps)}), got {len(groups)}."]
+    epochs = [groups[i * per_epoch:(i + 1) * per_epoch] for i in range(expected["epochs"])]
+    for number, epoch in enumerate(epochs, 1):
+        seen = sorted(r for group in epoch for r in group)
+        if seen != list(range(rollouts)):
+            return [f"epoch {number} did not visit each of the {rollouts} rollouts once: {epoch}."]
+    storage = [tuple(range(i, i + rollouts // per_epoch)) for i in range(0, rollouts, rollouts // per_epoch)]
+    if all(epoch == storage for epoch in epochs):
+        return [f"the rollouts are never shuffled (every epoch visits {storage})."]
+    if all(epoch == epochs[0] for epoch in epochs):
+        return [f"the rollouts are shuffled once, not in each epoch (every epoch visits {epochs[0]})."]
+    return []
+
+
+def check_phase_raises(module, case, agent):
+    initial = agent.flat()
+    try:
+        run_phase(module, case.inputs, agent)
+    except FloatingPointError:
+        if not np.array_equal(agent.flat(), initial, equal_nan=True):
+            raise Failed("auxiliary_phase raised FloatingPointError, but only after a step had put the non-finite "
+                         "gradient into the weights: check the clipped gradient norms before optimizer.step().")
+        return
+    except NotImplementedError as error:
+        raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                     + exercise_text(error))
+    except Failed:
+        raise
+    except Exception as error:
+        raise Failed("a non-finite gradient must raise FloatingPointError (as ppo_update does); it raised:\n"
+                     + explain_error(error))
+    raise Failed(f"a value target is NaN, so the gradient is not finite, and auxiliary_phase did not raise "
+                 f"FloatingPointError (the weights now hold NaN: {np.isnan(agent.flat()).any()}).\n"
+                 f"hint: {case.expected['hint']}")
+
+
+# ---------------------------------------------------------------- which functions of which files an exercise grades
+ALL_FUNCTIONS = [function for exercise in EXERCISES.values() for function in exercise["functions"]]
+
+
+def training_file_of(exercise, modules):
+    """The file the exercise trains with: its script if given, else the first file that holds its functions."""
+    holders = [name for name, module in modules.items()
+               if all(hasattr(module, f) for f in EXERCISES[exercise]["functions"])]
+    if EXERCISES[exercise]["script"] in holders:
+        return EXERCISES[exercise]["script"]
+    return holders[0] if holders else None
+
+
+def functions_to_grade(exercise, modules):
+    """{file: [functions]}: the exercise's own functions wherever they are, and every exercise function in the file
+    it trains with (that file's other blanks run in its training too)."""
+    training_file = training_file_of(exercise, modules)
+    plan = {}
+    for name, module in modules.items():
+        chosen = [f for f in ALL_FUNCTIONS if hasattr(module, f)
+                  and (f in EXERCISES[exercise]["functions"] or name == training_file)]
+        if chosen:
+            plan[name] = chosen
+    return plan
+
+
+def grade_exercise(exercise, modules, cases_for):
+    """Every case of the exercise in every file that matters, each scored; two copies of one function must agree.
+    `cases_for(function)` gives a function's cases. Returns a list of Result."""
+    if training_file_of(exercise, modules) is None:
+        functions = ", ".join(EXERCISES[exercise]["functions"])
+        return [Result(f"{exercise}: no file defines {functions}", 0.0, 1.0,
+                       f"expected {EXERCISES[exercise]['script']} with {functions}; got {', '.join(modules)}")]
+    results = []
+    holders = {}
+    cases_of = {}
+    for name, functions in functions_to_grade(exercise, modules).items():
+        for function in functions:
+            if function not in cases_of:
+                cases_of[function] = cases_for(function)
+            results += run_cases(modules[name], cases_of[function], where=f" [{name}]")
+            holders.setdefault(function, {})[name] = modules[name]
+    for function, copies in holders.items():
+        if len(copies) > 1 and function != "auxiliary_phase":
+            results.append(copies_agree(function, copies, cases_of[function]))
+    return results

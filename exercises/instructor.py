@@ -1,0 +1,657 @@
+"""The instructor's grader (it stays in the repository; the student bundle gets only the public grader).
+
+  python exercises/instructor.py grade EXERCISE FILE [FILE ...] [--student NAME] [--secret S] [--json OUT]
+  python exercises/instructor.py batch SUBMISSIONS [--exercises gae,...] [--secret S] [--out DIR]
+  python exercises/instructor.py make-cases            # rewrite exercises/cases/*.json (the public cases)
+
+Each exercise is graded on the public cases (the ones the bundle ships) plus hidden randomized cases drawn from a
+seed per submission (sha256 of the secret and the student's name: the same submission always gets the same cases,
+two students different ones). Expected answers come from the float64 references (exercises/references.py); every
+case is worth one point and every case runs. `grade` prints a text report (and writes a JSON result); `batch` grades
+each sub-folder of SUBMISSIONS (one per student, holding some of the four scripts), writes DIR/NAME.txt and
+DIR/NAME.json per student and one CSV row per student in DIR/grades.csv. No training: the learning curve is
+informational (docs/assignments.md) and gives no points."""
+import argparse
+import contextlib
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from exercises import grading  # noqa: E402
+from exercises import references as ref  # noqa: E402
+from exercises.grading import Case  # noqa: E402
+from exercises.texts import EXERCISES  # noqa: E402
+
+HIDDEN_PER_FUNCTION = 4
+SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
+REFERENCES = {
+    "compute_gae": (ref.gae, ref.GAE_MUTANTS),
+    "policy_loss": (ref.policy_loss, ref.POLICY_LOSS_MUTANTS),
+    "value_loss": (ref.value_loss, ref.VALUE_LOSS_MUTANTS),
+    "ppg_aux_loss": (ref.ppg_aux_loss, ref.PPG_AUX_LOSS_MUTANTS),
+    "from_importance_weights": (ref.from_importance_weights, ref.VTRACE_MUTANTS),
+    "per_token_rewards": (ref.per_token_rewards, ref.PER_TOKEN_REWARD_MUTANTS),
+    "bradley_terry_loss": (ref.bradley_terry_loss, ref.BT_MUTANTS),
+}
+
+
+# ---------------------------------------------------------------- a case from its inputs: the references' answers
+def numeric_gradient(reference, inputs, key, eps=1e-6):
+    """Central differences of the reference's first output with respect to inputs[key]."""
+    base = inputs[key]
+    grad = np.zeros_like(base)
+    for index in np.ndindex(base.shape):
+        values = []
+        for sign in (1, -1):
+            changed = base.copy()
+            changed[index] += sign * eps
+            values.append(float(reference(**{**inputs, key: changed})[0]))
+        grad[index] = (values[0] - values[1]) / (2 * eps)
+    return grad
+
+
+def make_case(function, name, inputs, grad=(), hidden=False):
+    """Inputs -> a Case with the reference's outputs and gradients and the answers of every typical mistake that
+    differs from the reference here."""
+    reference, mutants = REFERENCES[function]
+    expected = reference(**inputs)
+    mistakes = []
+    for mistake, mutant, hint in mutants:
+        try:
+            with np.errstate(all="ignore"):
+                outputs = mutant(**inputs)
+        except Exception:  # a mistake that cannot run on these inputs does not explain them
+            continue
+        if not grading.close(outputs, expected):
+            mistakes.append({"name": mistake, "hint": hint, "outputs": [np.asarray(o, dtype=float) for o in outputs]})
+    grads = {key: numeric_gradient(reference, inputs, key) for key in grad}
+    return Case(function, name, inputs, [np.asarray(e, dtype=float) for e in expected], grads, mistakes,
+                hidden=hidden)
+
+
+# ---------------------------------------------------------------- the public cases (hand-made)
+def gae_cases():
+    r = np.array([[1.0], [0.0], [2.0], [1.0]])
+    v = np.array([[0.5], [0.2], [0.1], [0.3]])
+    zeros = np.zeros((4, 1))
+    inside = zeros.copy()
+    inside[2] = 1.0
+    at_last = zeros.copy()
+    at_last[3] = 1.0
+    base = dict(rewards=r, values=v, next_value=np.array([1.0]), gamma=0.9, gae_lambda=0.95)
+    cases = [
+        ("one episode, no end in the rollout (T=4, N=1)", dict(base, dones=zeros, next_done=np.array([0.0]))),
+        ("an episode ends inside the rollout: dones[2] = 1, step 1 was its last step",
+         dict(base, dones=inside, next_done=np.array([0.0]))),
+        ("the episode ends at the end of the rollout: next_done = 1", dict(base, dones=zeros, next_done=np.array([1.0]))),
+        ("an episode ends before the last step: dones[3] = 1", dict(base, dones=at_last, next_done=np.array([0.0]))),
+        ("lambda = 0: one-step TD errors", dict(base, dones=inside, next_done=np.array([0.0]), gae_lambda=0.0)),
+        ("lambda = 1: discounted returns minus V", dict(base, dones=inside, next_done=np.array([1.0]), gae_lambda=1.0)),
+        ("T = 1: one step, bootstrapped from next_value", dict(rewards=np.array([[1.0, 2.0]]),
+                                                               values=np.array([[0.5, -1.0]]), dones=np.zeros((1, 2)),
+                                                               next_value=np.array([2.0, 3.0]),
+                                                               next_done=np.array([0.0, 1.0]), gamma=0.9,
+                                                               gae_lambda=0.95)),
+    ]
+    for seed, (gamma, lam) in enumerate([(0.99, 0.95), (0.9, 0.5)]):
+        rng = np.random.default_rng(seed)
+        dones = (rng.random((6, 3)) < 0.3).astype(float)
+        dones[0] = 0.0
+        dones[3, 1] = 1.0
+        cases.append((f"random, T=6, N=3, episode ends inside and at the end (gamma {gamma}, lambda {lam})",
+                      dict(rewards=rng.normal(size=(6, 3)).round(3), values=rng.normal(size=(6, 3)).round(3),
+                           dones=dones, next_value=rng.normal(size=3).round(3), next_done=np.array([0.0, 1.0, 0.0]),
+                           gamma=gamma, gae_lambda=lam)))
+    return [make_case("compute_gae", name, inputs) for name, inputs in cases]
+
+
+def policy_loss_cases():
+    inside = np.array([0.9, 1.1, 1.0, 1.05])
+    far = np.array([0.2, 3.0, 0.5, 1.6])
+    kl = np.array([0.01, 0.2, 0.05, 0.1])
+    clip = dict(kind="clip", clip_coef=0.2, kl_beta=None)
+    rng = np.random.default_rng(0)
+    cases = [
+        ("ratios inside the clip range", dict(ratio=inside, advantages=np.array([1.0, -1.0, 0.5, -2.0]), kl=kl, **clip),
+         ("ratio",)),
+        ("ratios far outside the clip range, positive advantages",
+         dict(ratio=far, advantages=np.array([1.0, 2.0, 0.5, 1.5]), kl=kl, **clip), ("ratio",)),
+        ("ratios far outside the clip range, negative advantages",
+         dict(ratio=far, advantages=np.array([-1.0, -2.0, -0.5, -1.5]), kl=kl, **clip), ("ratio",)),
+        ("ratios below and above the range, both signs of advantage",
+         dict(ratio=np.array([0.3, 2.5, 0.3, 2.5]), advantages=np.array([1.0, 1.0, -1.0, -1.0]), kl=kl,
+              kind="clip", clip_coef=0.1, kl_beta=None), ("ratio",)),
+        ("random, M=8, eps 0.2", dict(ratio=np.exp(rng.normal(0, 0.5, 8)).round(3),
+                                      advantages=(3 * rng.normal(size=8)).round(3), kl=np.abs(rng.normal(0, 0.1, 8)),
+                                      **clip), ("ratio",)),
+        ("kind 'kl-penalty', beta 0.5", dict(ratio=far, advantages=np.array([1.0, -2.0, 0.5, -1.5]), kl=kl,
+                                             kind="kl-penalty", clip_coef=0.2, kl_beta=0.5), ("ratio", "kl")),
+        ("kind 'kl-penalty', beta 3, random", dict(ratio=np.exp(rng.normal(0, 0.5, 6)).round(3),
+                                                   advantages=rng.normal(size=6).round(3),
+                                                   kl=np.abs(rng.normal(0, 0.1, 6)).round(4), kind="kl-penalty",
+                                                   clip_coef=0.2, kl_beta=3.0), ("ratio", "kl")),
+    ]
+    return [make_case("policy_loss", name, inputs, grad) for name, inputs, grad in cases]
+
+
+def value_loss_cases():
+    returns = np.array([1.0, 1.0, -1.0, 0.0])
+    old = np.array([0.0, 0.0, 0.0, 0.0])
+    rng = np.random.default_rng(1)
+    cases = [
+        ("clip_vloss off", dict(new_value=np.array([0.5, 1.5, -2.0, 0.1]), old_value=old, returns=returns,
+                                clip_coef=0.2, clip_vloss=False)),
+        ("clip_vloss off, errors beyond 1 (up to 4)", dict(new_value=np.array([3.0, -2.5, 1.0, 4.0]), old_value=old,
+                                                           returns=returns, clip_coef=0.2, clip_vloss=False)),
+        ("clip_vloss on, new values within eps of the old ones",
+         dict(new_value=np.array([0.1, -0.15, 0.05, 0.0]), old_value=old, returns=returns, clip_coef=0.2,
+              clip_vloss=True)),
+        ("clip_vloss on, new values far from the old ones (towards and away from the returns)",
+         dict(new_value=np.array([0.9, -0.8, -0.7, 0.6]), old_value=old, returns=returns, clip_coef=0.2,
+              clip_vloss=True)),
+        ("clip_vloss on, errors beyond 1 in both branches (entries 2 and 4: the clipped one counts)",
+         dict(new_value=np.array([3.0, 0.5, 2.5, -0.8]), old_value=np.array([2.0, 3.0, -1.0, -4.0]),
+              returns=np.array([-1.0, 0.0, 0.0, 0.0]), clip_coef=0.3, clip_vloss=True)),
+        ("clip_vloss on, random", dict(new_value=rng.normal(size=8).round(3), old_value=rng.normal(size=8).round(3),
+                                       returns=rng.normal(size=8).round(3), clip_coef=0.3, clip_vloss=True)),
+    ]
+    return [make_case("value_loss", name, inputs, ("new_value",)) for name, inputs in cases]
+
+
+def ppg_aux_loss_cases():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(3, 4)).round(3)
+    cases = [make_case("ppg_aux_loss", "pi = pi_old (the KL is 0), M=3 states, 4 actions",
+                       dict(logits=logits, old_logits=logits.copy(), value=np.array([0.5, -1.0, 2.0]),
+                            aux_value=np.array([0.0, 1.0, 1.5]), value_targets=np.array([1.0, 0.0, 2.0]),
+                            beta_clone=1.0), ("aux_value", "value"))]
+    for beta in (1.0, 0.3):
+        cases.append(make_case("ppg_aux_loss", f"random, M=5 states, 4 actions, beta_clone {beta}",
+                               dict(logits=rng.normal(size=(5, 4)).round(3), old_logits=rng.normal(size=(5, 4)).round(3),
+                                    value=rng.normal(size=5).round(3), aux_value=rng.normal(size=5).round(3),
+                                    value_targets=rng.normal(size=5).round(3), beta_clone=beta),
+                               ("logits", "aux_value", "value")))
+    cases.append(make_case("ppg_aux_loss", "value errors beyond 1 (up to 3) in both heads",
+                           dict(logits=rng.normal(size=(4, 3)).round(3), old_logits=rng.normal(size=(4, 3)).round(3),
+                                value=np.array([3.0, -2.0, 0.5, 1.0]), aux_value=np.array([-2.5, 2.0, 1.0, 3.0]),
+                                value_targets=np.array([0.0, 0.5, -1.0, 0.0]), beta_clone=1.0),
+                           ("aux_value", "value")))
+    return cases
+
+
+def vtrace_cases():
+    case4 = dict(rewards=np.array([[1.0], [0.0], [2.0]]), values=np.array([[0.5], [0.2], [0.1]]),
+                 discounts=np.full((3, 1), 0.9), bootstrap_value=np.array([1.0]))
+    rho = np.log(np.array([[3.0], [0.5], [1.5]]))
+    T, B = 5, 5
+    golden = dict(log_rhos=5 * (np.arange(T * B).reshape(T, B) / (T * B) - 0.5),
+                  discounts=np.tile(0.9 / (np.arange(B) + 1), (T, 1)),
+                  rewards=np.arange(T * B, dtype=float).reshape(T, B),
+                  values=np.arange(T * B).reshape(T, B) / B, bootstrap_value=np.arange(B) + 1.0,
+                  clip_rho_threshold=3.7, clip_c_threshold=1.0, clip_pg_rho_threshold=2.2, lambda_=1.0)
+    split = dict(rewards=np.array([[1.0], [0.0], [2.0], [1.0]]), values=np.array([[0.5], [0.2], [0.1], [0.3]]),
+                 discounts=np.array([[0.9], [0.0], [0.9], [0.9]]),
+                 log_rhos=np.log(np.array([[3.0], [0.5], [1.5], [0.8]])), bootstrap_value=np.array([1.0]))
+    rng = np.random.default_rng(3)
+    done = rng.random((6, 3)) < 0.2
+    trailing = dict(log_rhos=rng.normal(0, 0.5, (4, 2, 1)).round(3), discounts=np.full((4, 2, 1), 0.9),
+                    rewards=rng.normal(size=(4, 2, 3)).round(3), values=rng.normal(size=(4, 2, 3)).round(3),
+                    bootstrap_value=rng.normal(size=(2, 3)).round(3), clip_rho_threshold=1.2,
+                    clip_c_threshold=0.9, clip_pg_rho_threshold=1.1, lambda_=0.9)
+    cases = [
+        ("on-policy (log_rhos = 0), lambda 1: n-step returns", dict(case4, log_rhos=np.zeros((3, 1)))),
+        ("on-policy, lambda 0.95", dict(case4, log_rhos=np.zeros((3, 1)), lambda_=0.95)),
+        ("off-policy, rho = [3, 0.5, 1.5], rho_bar = c_bar = rho_bar_pg = 1: truncation active",
+         dict(case4, log_rhos=rho)),
+        ("rho_bar = rho_bar_pg = 2, c_bar = 1 (c_bar != rho_bar)",
+         dict(case4, log_rhos=rho, clip_rho_threshold=2.0, clip_c_threshold=1.0, clip_pg_rho_threshold=2.0)),
+        ("scalable_agent's case: rho from 0.08 to 12.2, rho_bar 3.7, c_bar 1, rho_bar_pg 2.2 (T=5, B=5)", golden),
+        ("an episode ends inside (discounts[1] = 0), clips 1", split),
+        ("lambda 0.5, rho_bar 1.2, c_bar 0.8, rho_bar_pg 1.5",
+         dict(split, clip_rho_threshold=1.2, clip_c_threshold=0.8, clip_pg_rho_threshold=1.5, lambda_=0.5)),
+        ("no truncation (all thresholds None), lambda 0.9",
+         dict(case4, log_rhos=rho, clip_rho_threshold=None, clip_c_threshold=None, clip_pg_rho_threshold=None,
+              lambda_=0.9)),
+        ("T = 1", dict(log_rhos=np.log(np.array([[2.0]])), discounts=np.array([[0.9]]), rewards=np.array([[2.0]]),
+                       values=np.array([[1.0]]), bootstrap_value=np.array([3.0]))),
+        ("random, T=6, B=3, episode ends, rho_bar 1.5, c_bar 0.9, rho_bar_pg 1.2, lambda 0.8",
+         dict(log_rhos=rng.normal(size=(6, 3)).round(3), discounts=np.where(done, 0.0, 0.95),
+              rewards=rng.normal(size=(6, 3)).round(3), values=rng.normal(size=(6, 3)).round(3),
+              bootstrap_value=rng.normal(size=3).round(3), clip_rho_threshold=1.5, clip_c_threshold=0.9,
+              clip_pg_rho_threshold=1.2, lambda_=0.8)),
+        ("lambda_ a per-step [T, B] tensor (Remark 2: lambda_s = 0 cuts the trace at s)",
+         dict(split, lambda_=np.array([[0.9], [0.5], [0.0], [1.0]]))),
+        ("lambda_ a 0-dim tensor (0.7)", dict(split, lambda_=np.array(0.7))),
+        ("trailing dimensions: values [T, B, 3], log_rhos and discounts [T, B, 1] broadcast", trailing),
+    ]
+    return [make_case("from_importance_weights", name, inputs) for name, inputs in cases]
+
+
+def per_token_rewards_cases():
+    mask = np.array([[1.0, 1.0, 1.0, 0.0, 0.0]])
+    kl = np.array([[0.1, -0.2, 0.3, 0.0, 0.0]])
+    rng = np.random.default_rng(4)
+    lengths = [1, 5, 3, 2]
+    random_mask = np.array([[1.0 if t < n else 0.0 for t in range(5)] for n in lengths])
+    cases = [
+        ("one response of 3 tokens (EOS at index 2), per-token KL, beta 0.1",
+         dict(kl=kl, scores=np.array([2.0]), mask=mask, beta=0.1)),
+        ("a response that ends at its first token", dict(kl=np.array([[0.4, 0.0, 0.0, 0.0]]), scores=np.array([1.5]),
+                                                         mask=np.array([[1.0, 0.0, 0.0, 0.0]]), beta=0.5)),
+        ("a response without EOS (all 4 tokens are the response)",
+         dict(kl=np.array([[0.1, 0.2, -0.1, 0.3]]), scores=np.array([-1.0]), mask=np.ones((1, 4)), beta=0.2)),
+        ("random batch of 4 (lengths 1, 5, 3, 2), KL nonzero past the ends",
+         dict(kl=rng.normal(0, 0.3, (4, 5)).round(3), scores=rng.normal(size=4).round(3), mask=random_mask,
+              beta=0.05)),
+    ]
+    return [make_case("per_token_rewards", name, inputs) for name, inputs in cases]
+
+
+def bradley_terry_cases():
+    rng = np.random.default_rng(5)
+    return [
+        make_case("bradley_terry_loss", "three pairs, margins 1, -2 and 0",
+                  dict(r_chosen=np.array([1.0, 0.0, -0.5]), r_rejected=np.array([0.0, 2.0, -0.5])), ("r_chosen",)),
+        make_case("bradley_terry_loss", "random, 6 pairs",
+                  dict(r_chosen=rng.normal(size=6).round(3), r_rejected=rng.normal(size=6).round(3)),
+                  ("r_chosen", "r_rejected")),
+        make_case("bradley_terry_loss", "large margins: +500 and -1000",
+                  dict(r_chosen=np.array([500.0, 0.0]), r_rejected=np.array([0.0, 1000.0]))),
+    ]
+
+
+# ---------------------------------------------------------------- hidden cases: random, from a seed
+def hidden_gae(rng, number):
+    T, N = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+    scale = float(rng.choice([0.5, 1.0, 3.0]))
+    dones = (rng.random((T, N)) < 0.3).astype(float)
+    lam = float(rng.choice([0.0, 1.0, round(float(rng.uniform(0.3, 0.99)), 3)]))
+    return make_case("compute_gae", f"hidden {number}", dict(
+        rewards=(scale * rng.normal(size=(T, N))).round(3), values=(scale * rng.normal(size=(T, N))).round(3),
+        dones=dones, next_value=(scale * rng.normal(size=N)).round(3),
+        next_done=(rng.random(N) < 0.4).astype(float), gamma=round(float(rng.uniform(0.8, 0.999)), 3),
+        gae_lambda=lam), hidden=True)
+
+
+def hidden_policy_loss(rng, number):
+    M = int(rng.integers(3, 10))
+    kind = str(rng.choice(["clip", "kl-penalty"]))
+    beta = round(float(rng.uniform(0.1, 3.0)), 3) if kind == "kl-penalty" else None
+    return make_case("policy_loss", f"hidden {number}", dict(
+        ratio=np.exp(rng.normal(0, 0.7, M)).round(3), advantages=(float(rng.choice([1, 3])) * rng.normal(size=M)).round(3),
+        kl=np.abs(rng.normal(0, 0.2, M)).round(4), kind=kind, clip_coef=round(float(rng.uniform(0.05, 0.3)), 3),
+        kl_beta=beta), ("ratio", "kl") if kind == "kl-penalty" else ("ratio",), hidden=True)
+
+
+def hidden_value_loss(rng, number):
+    M = int(rng.integers(3, 10))
+    scale = float(rng.choice([0.5, 3.0]))
+    return make_case("value_loss", f"hidden {number}", dict(
+        new_value=(scale * rng.normal(size=M)).round(3), old_value=(scale * rng.normal(size=M)).round(3),
+        returns=(scale * rng.normal(size=M)).round(3), clip_coef=round(float(rng.uniform(0.1, 0.5)), 3),
+        clip_vloss=bool(number % 2)), ("new_value",), hidden=True)
+
+
+def hidden_ppg_aux_loss(rng, number):
+    M, A = int(rng.integers(2, 6)), int(rng.integers(2, 6))
+    scale = float(rng.choice([0.5, 3.0]))
+    return make_case("ppg_aux_loss", f"hidden {number}", dict(
+        logits=(2 * rng.normal(size=(M, A))).round(3), old_logits=(2 * rng.normal(size=(M, A))).round(3),
+        value=(scale * rng.normal(size=M)).round(3), aux_value=(scale * rng.normal(size=M)).round(3),
+        value_targets=(scale * rng.normal(size=M)).round(3), beta_clone=round(float(rng.uniform(0.2, 2.0)), 3)),
+        ("logits", "aux_value", "value"), hidden=True)
+
+
+def hidden_vtrace(rng, number):
+    T, B = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    trailing = (2,) if number == 3 else ()
+
+    def threshold():
+        return None if rng.random() < 0.2 else round(float(rng.uniform(0.5, 2.5)), 3)
+
+    lam = rng.uniform(0, 1, (T, B, *trailing)).round(3) if number % 2 else round(float(rng.uniform(0.3, 1.0)), 3)
+    return make_case("from_importance_weights", f"hidden {number}", dict(
+        log_rhos=rng.normal(0, 0.8, (T, B, *trailing)).round(3),
+        discounts=np.where(rng.random((T, B, *trailing)) < 0.2, 0.0, 0.95),
+        rewards=rng.normal(size=(T, B, *trailing)).round(3), values=rng.normal(size=(T, B, *trailing)).round(3),
+        bootstrap_value=rng.normal(size=(B, *trailing)).round(3), clip_rho_threshold=threshold(),
+        clip_c_threshold=threshold(), clip_pg_rho_threshold=threshold(), lambda_=lam), hidden=True)
+
+
+def hidden_per_token_rewards(rng, number):
+    B, L = int(rng.integers(1, 5)), int(rng.integers(2, 7))
+    lengths = rng.integers(1, L + 1, B)
+    mask = (np.arange(L)[None, :] < lengths[:, None]).astype(float)
+    return make_case("per_token_rewards", f"hidden {number}", dict(
+        kl=rng.normal(0, 0.5, (B, L)).round(3), scores=(2 * rng.normal(size=B)).round(3), mask=mask,
+        beta=round(float(rng.uniform(0.01, 0.5)), 3)), hidden=True)
+
+
+def hidden_bradley_terry(rng, number):
+    P = int(rng.integers(2, 8))
+    scale = float(rng.choice([1.0, 5.0, 300.0])) if number else 1.0
+    return make_case("bradley_terry_loss", f"hidden {number}", dict(
+        r_chosen=(scale * rng.normal(size=P)).round(3), r_rejected=(scale * rng.normal(size=P)).round(3)),
+        ("r_chosen", "r_rejected") if scale < 100 else (), hidden=True)
+
+
+# ---------------------------------------------------------------- PPG's auxiliary phase: a procedure
+def tiny_agent_weights(rng, actions=4, hidden=3):
+    return {"trunk": rng.normal(0, 1, (3, hidden)).round(3), "policy_weight": rng.normal(0, 1, (hidden, actions)).round(3), "policy_bias": rng.normal(0, 0.5, actions).round(3),
+            "aux_weight": rng.normal(0, 1, hidden).round(3), "aux_bias": np.array(0.1),
+            "value_hidden": rng.normal(0, 1, (3, hidden)).round(3), "value_weight": rng.normal(0, 1, hidden).round(3),
+            "value_bias": np.array(-0.2)}
+
+
+def reference_phase(inputs, variant=None):
+    """Algorithm 1's auxiliary phase on the tiny agent, the whole buffer as ONE minibatch (so the shuffle and the
+    chunks' composition cannot matter), plain SGD: pi_old once, then E_aux steps on L_joint + L_value, each network's
+    gradient clipped on its own, from zeroed gradients. Returns (final weights, the means of the three parts).
+    `variant` replays a typical mistake."""
+    agent = grading.TinyAgent(inputs["init"])
+    args = inputs["args"]
+    optimizer = torch.optim.SGD(agent.networks(), lr=inputs["lr"])
+    if inputs.get("leftover") is not None:
+        for name, array in inputs["leftover"].items():
+            getattr(agent, name).grad = torch.tensor(array, dtype=torch.float64)
+    aux_obs, targets = grading.phase_buffer(inputs["features"], inputs["targets"])
+    obs, v_targ = aux_obs.flatten(0, 1), targets.flatten()
+
+    def policy_old():
+        with torch.no_grad():
+            return agent.forward_aux(obs)[0]
+
+    old_logits = policy_old()
+    totals = np.zeros(3)
+    epochs = 1 if variant == "one epoch" else args["e_aux"]
+    for _ in range(epochs):
+        if variant == "pi_old each epoch":
+            old_logits = policy_old()
+        if variant not in ("no zero_grad", "zero_grad after the step"):
+            optimizer.zero_grad(set_to_none=True)
+        logits, value, aux_value = agent.forward_aux(obs)
+        old_log_probs = torch.log_softmax(old_logits, -1)
+        kl = (old_log_probs.exp() * (old_log_probs - torch.log_softmax(logits, -1))).sum(-1).mean()
+        aux_loss = 0.5 * ((aux_value - v_targ) ** 2).mean()
+        value_loss = 0.5 * ((value - v_targ) ** 2).mean()
+        (aux_loss + args["beta_clone"] * kl + value_loss).backward()
+        totals += np.array([aux_loss.item(), kl.item(), value_loss.item()])
+        if variant == "clipped over all parameters together":
+            torch.nn.utils.clip_grad_norm_(list(agent.parameters()), args["max_grad_norm"])
+        elif variant != "no clipping":
+            for group in optimizer.param_groups:
+                torch.nn.utils.clip_grad_norm_(group["params"], args["max_grad_norm"])
+        optimizer.step()
+        if variant == "zero_grad after the step":
+            optimizer.zero_grad(set_to_none=True)
+    means = totals / epochs
+    return agent.flat(), dict(zip(["aux/aux_value_loss", "aux/kl", "aux/value_loss"], means.tolist()))
+
+
+PHASE_HINTS = {
+    "pi_old each epoch": "pi_old is recomputed during the phase: Algorithm 1 computes and stores pi_old(.|s) for all "
+                         "states in B once, BEFORE the first auxiliary step, and keeps it for all E_aux epochs.",
+    "no zero_grad": "the gradients are not zeroed before each minibatch, so each step also carries the previous "
+                    "steps' gradients: optimizer.zero_grad() first.",
+    "zero_grad after the step": "the first step carries the policy phase's leftover gradient (it is still in .grad "
+                                "when the phase starts): call optimizer.zero_grad() BEFORE each minibatch's "
+                                "backward, the first one included, not after the step.",
+    "one epoch": "only one epoch ran: the phase makes E_aux (args.e_aux) passes over the buffer.",
+    "no clipping": "the gradient is not clipped: clip_grad_norms(optimizer, args.max_grad_norm) before each step "
+                   "(it clips each network's gradient on its own).",
+    "clipped over all parameters together": "the gradient is clipped over all parameters at once; clip each network "
+                                            "(each optimizer param group) on its own, with "
+                                            "clip_grad_norms(optimizer, args.max_grad_norm).",
+}
+
+
+def phase_case(name, inputs, checks, hint, variants=(), hidden=False):
+    """A phase case: `checks` what to compare (the expectations are computed here), `variants` the mistakes whose
+    final weights the report recognises."""
+    expected = dict(checks, hint=hint)
+    if "weights" in checks or "stats" in checks:
+        weights, stats = reference_phase(inputs)
+        if "weights" in checks:
+            expected["weights"] = weights
+        if "stats" in checks:
+            expected["stats"] = stats
+    mistakes = []
+    for variant in variants:
+        weights = reference_phase(inputs, variant)[0]
+        if not np.allclose(weights, expected.get("weights", weights + 1), rtol=1e-4, atol=1e-6):
+            mistakes.append({"name": variant, "hint": PHASE_HINTS[variant], "outputs": weights})
+    return Case("auxiliary_phase", name, inputs, expected, mistakes=mistakes, hidden=hidden, kind="phase")
+
+
+def phase_cases(seed=None):
+    """The phase's cases: public with seed None, else hidden ones drawn from the seed."""
+    rng = np.random.default_rng(6 if seed is None else seed)
+    hidden = seed is not None
+    prefix = "hidden: " if hidden else ""
+
+    def buffer(rollouts, steps=2):
+        return dict(features=rng.integers(0, 256, (rollouts, steps, 3)).astype(float),
+                    targets=(2 * rng.normal(size=(rollouts, steps))).round(3), init=tiny_agent_weights(rng))
+
+    def settings(**overrides):
+        return {"num_envs": 64, "e_aux": 1, "num_aux_rollouts": 4, "n_aux_grad_accum": 1, "max_grad_norm": 1e9,
+                "beta_clone": round(float(rng.uniform(0.5, 2.0)), 3), **overrides}
+
+    leftover = {name: rng.normal(0, 5, np.shape(array)).round(3) for name, array in tiny_agent_weights(rng).items()}
+    four = buffer(4)
+    moving = dict(four, args=settings(e_aux=3), lr=0.5, leftover=leftover)
+    with_nan = buffer(4)
+    with_nan["targets"][1, 0] = np.nan
+    cases = [
+        phase_case(prefix + "lr 0: E_aux = 2 epochs of 2 minibatches of 2 rollouts: 4 steps, KL 0, the buffer's "
+                   "losses", dict(four, args=settings(e_aux=2, num_aux_rollouts=2), lr=0.0),
+                   {"steps": 4, "why_steps": "2 epochs x 2 minibatches", "minibatch": 2, "stats": True},
+                   "with a learning rate of 0 nothing moves, so every minibatch's KL(pi_old || pi) is exactly 0 when "
+                   "pi_old is computed once, before the first step, and each minibatch gets the stored pi_old of ITS "
+                   "rollouts (the same shuffled indices as its frames); the returned means are the means of "
+                   "ppg_aux_loss's parts over the minibatches; one optimizer step per minibatch of "
+                   "aux_rollouts_per_rank(args) rollouts."),
+        phase_case(prefix + "the default minibatch size: num_aux_rollouts None and 32 games give 2 rollouts",
+                   dict(four, args=settings(num_envs=32, num_aux_rollouts=None), lr=0.0),
+                   {"steps": 2, "why_steps": "1 epoch x 2 minibatches of 2 rollouts", "minibatch": 2},
+                   "num_aux_rollouts is None by default (the PPG code's 4 per 64 games): the minibatch size in "
+                   "rollouts is aux_rollouts_per_rank(args), never args.num_aux_rollouts itself."),
+        phase_case(prefix + "a new shuffle in each epoch: 8 rollouts, minibatches of 2, 3 epochs",
+                   dict(buffer(8), args=settings(e_aux=3, num_aux_rollouts=2), lr=0.0),
+                   {"steps": 12, "why_steps": "3 epochs x 4 minibatches", "shuffle": [8, 4], "epochs": 3},
+                   "each epoch draws a new random order of the R rollouts (torch.randperm(R) per epoch) and splits "
+                   "it into minibatches of whole rollouts."),
+        phase_case(prefix + "E_aux = 3 on one minibatch of all 4 rollouts, SGD lr 0.5, starting with the policy "
+                   "phase's leftover gradients in .grad", moving, {"weights": True},
+                   "Algorithm 1 with zeroed gradients before each minibatch (the first included), pi_old stored "
+                   "once, E_aux epochs, each network's gradient clipped on its own.",
+                   ("zero_grad after the step", "no zero_grad", "pi_old each epoch", "one epoch")),
+        phase_case(prefix + "its statistics: each part averaged over the minibatches of ALL 3 epochs", moving,
+                   {"stats": True}, "accumulate ppg_aux_loss's three parts (detached) over every minibatch of every "
+                   "epoch and divide by the number of steps; not the last epoch's, not the last minibatch's."),
+        phase_case(prefix + "max_grad_norm 0.01: each network's gradient clipped on its own",
+                   dict(four, args=settings(max_grad_norm=0.01), lr=0.5), {"weights": True},
+                   "clip_grad_norms(optimizer, args.max_grad_norm) before each step: it clips theta_pi's and "
+                   "theta_V's gradients each on its own.", ("no clipping", "clipped over all parameters together")),
+        phase_case(prefix + "n_aux_grad_accum = 2 on a minibatch of 3 rollouts: chunks of 2 and 1, one step",
+                   dict(buffer(3), args=settings(num_aux_rollouts=3, n_aux_grad_accum=2, e_aux=2), lr=0.5),
+                   {"weights": True, "stats": True, "steps": 2, "why_steps": "2 epochs x 1 minibatch"},
+                   "with n_aux_grad_accum chunks of UNEQUAL size, weigh each chunk's loss (and its statistics) by "
+                   "len(chunk) / len(minibatch), not by 1 / n_aux_grad_accum: the accumulated gradient must be the "
+                   "minibatch's mean gradient; one optimizer step per minibatch."),
+        phase_case(prefix + "a NaN value target: FloatingPointError before any step changes the weights",
+                   dict(with_nan, args=settings(), lr=0.5), {"raises": True},
+                   "check the gradient norms that clip_grad_norms returns and raise FloatingPointError when they are "
+                   "not finite, before optimizer.step() (as ppo_update does)."),
+    ]
+    return cases
+
+
+# ---------------------------------------------------------------- all cases of an exercise
+PUBLIC = {"compute_gae": gae_cases, "policy_loss": policy_loss_cases, "value_loss": value_loss_cases,
+          "ppg_aux_loss": ppg_aux_loss_cases, "auxiliary_phase": phase_cases,
+          "from_importance_weights": vtrace_cases, "per_token_rewards": per_token_rewards_cases,
+          "bradley_terry_loss": bradley_terry_cases}
+HIDDEN = {"compute_gae": hidden_gae, "policy_loss": hidden_policy_loss, "value_loss": hidden_value_loss,
+          "ppg_aux_loss": hidden_ppg_aux_loss, "from_importance_weights": hidden_vtrace,
+          "per_token_rewards": hidden_per_token_rewards, "bradley_terry_loss": hidden_bradley_terry}
+
+
+def hidden_cases(function, seed):
+    """Random cases of `function` from a seed of the submission (and the function's name)."""
+    digest = hashlib.sha256(f"{seed}:{function}".encode()).digest()
+    if function == "auxiliary_phase":
+        return phase_cases(int.from_bytes(digest[:4], "little"))
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    return [HIDDEN[function](rng, number) for number in range(HIDDEN_PER_FUNCTION)]
+
+
+def submission_seed(secret, student):
+    return int(hashlib.sha256(f"{secret}\0{student}".encode()).hexdigest()[:12], 16)
+
+
+def make_public_cases(directory=grading.CASES_DIR):
+    os.makedirs(directory, exist_ok=True)
+    for function, build in PUBLIC.items():
+        grading.save_cases(os.path.join(directory, f"{function}.json"), build())
+
+
+# ---------------------------------------------------------------- grading a submission
+def grade_exercise(exercise, modules, seed):
+    """The public cases and the submission's hidden ones, every file that matters (grading.grade_exercise)."""
+    return grading.grade_exercise(exercise, modules, lambda function: PUBLIC[function]() + hidden_cases(function, seed))
+
+
+def load_submission(files):
+    """{basename: module} of the submission's scripts; a file that does not import is reported, not raised."""
+    modules, problems = {}, []
+    for path in files:
+        try:
+            modules[os.path.basename(path)] = grading.load_script(path)
+        except Exception:
+            problems.append(grading.Result(f"{os.path.basename(path)} imports", 0.0, 1.0,
+                                           traceback.format_exc(limit=-3)))
+    return modules, problems
+
+
+def grade_submission(files, exercises, student, secret):
+    """The whole grade of one student: {exercise: [Result]} and the text report."""
+    seed = submission_seed(secret, student)
+    start = time.time()
+    modules, problems = load_submission(files)
+    graded = {}
+    for exercise in exercises:
+        graded[exercise] = problems + grade_exercise(exercise, modules, seed) if modules else problems
+    seconds = time.time() - start
+    lines = [f"student {student}: {', '.join(os.path.basename(f) for f in files)} (hidden cases from seed {seed})"]
+    for exercise, results in graded.items():
+        points, total = grading.score(results)
+        lines.append(f"exercise {exercise}: {points:g} / {total:g} points")
+        lines += grading.report_lines(results)
+    total_points = sum(grading.score(r)[0] for r in graded.values())
+    total_max = sum(grading.score(r)[1] for r in graded.values())
+    lines.append(f"total: {total_points:g} / {total_max:g} points ({seconds:.1f} s; the learning curve is "
+                 "informational and gives no points)")
+    result = {"student": student, "seed": seed, "files": [os.path.basename(f) for f in files],
+              "seconds": round(seconds, 2), "points": total_points, "max_points": total_max,
+              "exercises": {exercise: {"points": grading.score(results)[0], "max_points": grading.score(results)[1],
+                                       "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}
+                            for exercise, results in graded.items()}}
+    return result, "\n".join(lines)
+
+
+def exercises_of(files, chosen=None):
+    """The exercises whose script the submission holds (or `chosen`)."""
+    if chosen:
+        return chosen
+    names = {os.path.basename(f) for f in files}
+    return [exercise for exercise, info in EXERCISES.items() if info["script"] in names]
+
+
+def batch(folder, exercises, secret, out):
+    """One student per sub-folder of `folder`; a report and a JSON per student, one CSV row each."""
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    columns = list(EXERCISES)
+    for student in sorted(os.listdir(folder)):
+        directory = os.path.join(folder, student)
+        if not os.path.isdir(directory):
+            continue
+        files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
+        chosen = exercises_of(files, exercises)
+        with contextlib.redirect_stdout(io.StringIO()):
+            result, text = grade_submission(files, chosen, student, secret)
+        with open(os.path.join(out, f"{student}.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(out, f"{student}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        row = {"student": student, "points": result["points"], "max_points": result["max_points"],
+               "seconds": result["seconds"]}
+        for exercise in columns:
+            part = result["exercises"].get(exercise)
+            row[exercise] = "" if part is None else f"{part['points']:g}/{part['max_points']:g}"
+        rows.append(row)
+        print(f"{student}: {result['points']:g} / {result['max_points']:g} ({result['seconds']:.1f} s)")
+    with open(os.path.join(out, "grades.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["student", "points", "max_points", *columns, "seconds"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("grade", help="grade one submission")
+    one.add_argument("exercise", choices=sorted(EXERCISES))
+    one.add_argument("files", nargs="+", help="the student's scripts")
+    one.add_argument("--student", default=None, help="the student's name (seeds the hidden cases; default: the "
+                     "folder of the first file)")
+    one.add_argument("--json", default=None, help="write the JSON result here")
+    many = commands.add_parser("batch", help="grade every sub-folder of a folder of submissions")
+    many.add_argument("submissions")
+    many.add_argument("--exercises", default=None, help="comma-separated (default: each exercise whose script a "
+                      "submission holds)")
+    many.add_argument("--out", default="grades", help="folder for the reports, JSON results and grades.csv")
+    commands.add_parser("make-cases", help="rewrite the public cases (exercises/cases/*.json) from the references")
+    for command in (one, many):
+        command.add_argument("--secret", default=os.environ.get("GRADER_SECRET", ""),
+                             help="mixed into each submission's seed (or $GRADER_SECRET): students cannot "
+                                  "reproduce the hidden cases")
+    options = parser.parse_args(argv)
+    if options.command == "make-cases":
+        make_public_cases()
+        print(f"wrote {grading.CASES_DIR}")
+        return 0
+    if options.command == "batch":
+        unknown = [e for e in (options.exercises or "").split(",") if e and e not in EXERCISES]
+        if unknown:
+            parser.error(f"--exercises: unknown {', '.join(unknown)}; choose from {', '.join(EXERCISES)}")
+        chosen = [e for e in (options.exercises or "").split(",") if e]
+        batch(options.submissions, chosen, options.secret, options.out)
+        return 0
+    student = options.student or os.path.basename(os.path.dirname(os.path.abspath(options.files[0])))
+    result, text = grade_submission(options.files, [options.exercise], student, options.secret)
+    print(text)
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["points"] == result["max_points"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
