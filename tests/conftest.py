@@ -61,6 +61,7 @@ NEEDS = {
                              "test_track_offline_*"],
                 "test_ppg": ["test_end_to_end_phase_checkpoint_resume"],
                 "test_results": ["test_real_runs_*"],
+                "test_docs": ["test_quoted_exit_statuses_and_messages_are_a_real_runs"],
                 "test_vtrace_learner": ["test_end_to_end_interrupt_resume_and_eval_only"],
                 "test_reliability": ["test_damaged_foreign_and_old_checkpoints_fail_with_one_line"],
                 "test_preemption": ["test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint"],

@@ -401,3 +401,486 @@ def test_the_code_named_beside_the_algorithm_exists(page, script):
     names = {name for name in names if "_" in name or name[0].isupper() or name == "train"}
     missing = sorted(name for name in names if not re.search(r"\b" + re.escape(name.split(".")[-1]) + r"\b", source))
     assert len(names) >= 3 and missing == [], f"{page} names {missing}, which {script} lacks"
+
+
+# ---- every number checked (issue 26): defaults, hyperparameter tables, anchors, RLHF tables, prose, real runs ----
+# Each check reads the pages from a {path: text} dict, so that the planted-edit test below can run it on a changed
+# copy; the data (Args, benchmarks/reference/, the JSON files) are always the repository's.
+PAGE_SCRIPTS = {"docs/ppo.md": "ppo_procgen.py", "docs/ppg.md": "ppg_procgen.py", "docs/impala.md": "vtrace.py",
+                "docs/rlhf.md": "ppo_rlhf_toy.py"}
+
+
+def page_texts():
+    return {relative(page): open(page).read() for page in pages()}
+
+
+@functools.lru_cache(maxsize=None)
+def flag_defaults(script):
+    """{'--flag': default} of a tyro script's dataclass; a bool flag also as '--no-flag': not default."""
+    import dataclasses
+    defaults = {}
+    for field in dataclasses.fields(dataclass_of(script)):
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            continue  # a positional argument (results.py's RUNS)
+        value = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        defaults["--" + field.name.replace("_", "-")] = value
+        if isinstance(value, bool):
+            defaults["--no-" + field.name.replace("_", "-")] = not value
+    return defaults
+
+
+def number(text):
+    """A number as the pages write it (Unicode minus, thousands commas, underscores, a sign), else None."""
+    cleaned = text.replace("−", "-").replace(",", "").replace("_", "").lstrip("+")
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
+
+
+def shows(text, value):
+    """`text` is `value` as a page may write it: a number to the digits shown, on/off/yes/no for a bool, a word."""
+    text = text.strip("`").strip()
+    if isinstance(value, bool):
+        return text in (("on", "yes", "true") if value else ("off", "no", "false"))
+    if value is None:
+        return text in ("none", "None")
+    if isinstance(value, (int, float)):
+        shown = number(text)
+        if shown is None:
+            return False
+        digits = len(text.split(".")[1]) if "." in text and "e" not in text else 0
+        return abs(shown - value) <= 0.5 * 10 ** -digits + 1e-12 * abs(value) if digits else shown == value
+    return text == str(value)
+
+
+def named_defaults(text):
+    """(flag, value shown, where) for every default a page names in its prose: `--flag` (0.05), `--flag` (default
+    `games`), `--flag` iterations (default 128), `--flag value` (default), `--flag value`, the default."""
+    found = []
+    body = prose(text)
+    for match in re.finditer(r"`(--[a-z][a-z0-9-]*)`[^`()\n]{0,40}?\((?:default )?(`?[\w.+−-]+`?)(?:[),;:]| per)",
+                             body):
+        value = match.group(2)
+        explicit = "(default" in match.group(0)
+        if explicit or match.group(0).index("(") == len(match.group(1)) + 3:  # right after the flag, or 'default'
+            if explicit or number(value) is not None or value.strip("`") in ("on", "off"):
+                found.append((match.group(1), value, match.group(0)))
+    for match in re.finditer(r"`(--[a-z][a-z0-9-]*)(?: ([^`\s]+))?`(?:,? the default\b| \((?:the )?default\))", body):
+        found.append((match.group(1), match.group(2) or "on", match.group(0)))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def effective_defaults():
+    """Defaults that Args leaves at None for the script to size: their value at the other defaults, one process."""
+    ppg = load("ppg_procgen")
+    return {"--num-aux-rollouts": ppg.aux_rollouts_per_rank(ppg.Args(), world_size=1)}
+
+
+def default_problems(texts):
+    problems = []
+    for page, text in texts.items():
+        scripts = [PAGE_SCRIPTS[page]] if page in PAGE_SCRIPTS else list(TYRO_SCRIPTS)
+        for flag, value, where in named_defaults(text):
+            defaults = [flag_defaults(script)[flag] for script in scripts if flag in flag_defaults(script)]
+            if not defaults and page in PAGE_SCRIPTS:  # another script's flag on this page
+                defaults = [flag_defaults(script)[flag] for script in TYRO_SCRIPTS if flag in flag_defaults(script)]
+            if flag in effective_defaults():
+                defaults.append(effective_defaults()[flag])
+            if not any(shows(value, default) for default in defaults):
+                problems.append(f"{page}: `{where}`: the default is {defaults or 'unknown'}")
+    return problems
+
+
+class Shown(__import__("string").Formatter):
+    """Renders a row's template from Args the way the tables write values: {x:M} 25M, {x:e} 5e-4, {x:g} 0.999,
+    {x:n} 2,048, {x:yn} yes/no, {x:onoff} on/off, {x:none} none."""
+
+    def format_field(self, value, spec):
+        if spec == "M":
+            return f"{value / 1e6:g}M"
+        if spec == "e":
+            return f"{value:.0e}".replace("e-0", "e-")
+        if spec in ("yn", "onoff"):
+            return {"yn": ("no", "yes"), "onoff": ("off", "on")}[spec][bool(value)]
+        if spec == "none":
+            return "none" if value is None else str(value)
+        if spec == "n":
+            return f"{value:,}"
+        return super().format_field(value, spec)
+
+
+# Every row of each page's hyperparameter table: the template of its "ours (default)" cell from the script's Args
+# (None: the row names no flag's value). A row missing here fails, so a new row gets its check.
+OURS_COLUMN = {
+    "docs/ppo.md": {
+        "games × steps per rollout": "{num_envs} × {num_steps}",
+        "distribution / steps": "{distribution_mode} / {total_timesteps:M}",
+        "levels": "all ({num_levels})",
+        "γ / λ": "{gamma:g} / {gae_lambda:g}",
+        "learning rate, Adam ε": "{learning_rate:e}, {adam_eps:e}",
+        "LR annealing": "{anneal_lr:onoff}",
+        "minibatches × epochs": "{num_minibatches} × {update_epochs}",
+        "clip ε / value clipping": "{clip_coef:g} / {clip_vloss:yn}",
+        "entropy / value coefficient": "{ent_coef:g} / {vf_coef:g}",
+        "gradient-norm clip": "{max_grad_norm:g}",
+        "advantage normalization": "per {adv_norm}",
+        "reward normalization": "γ {reward_norm_gamma:g}, clip ±{reward_clip:g}",
+        "network": None,  # "the same" as CleanRL's cell
+        "target KL early stop": "{target_kl:none}",
+    },
+    "docs/ppg.md": {
+        "distribution / steps / games": "{distribution_mode} / {total_timesteps:M} / {num_envs}",
+        "steps per rollout; γ / λ": "{num_steps}; {gamma:g} / {gae_lambda:g}",
+        "N_π / E_π / E_V / E_aux": "{n_pi} / {e_pi} / {e_v} / {e_aux}",
+        "β_clone": "{beta_clone:.1f}",
+        "policy minibatches": "{num_minibatches} ({minibatch_frames:n} frames), each {minibatch_games} whole games",
+        "auxiliary minibatch": "{aux_rollouts} rollouts per {num_envs} games",
+        "learning rate (both phases)": "{learning_rate:e}",
+        "optimizers, Adam ε": "ε {adam_eps:e}",
+        "LR annealing": "{anneal_lr:onoff}",
+        "clip ε / value clipping": "{clip_coef:g} / {clip_vloss:yn}",
+        "entropy coefficient / value term of the policy phase": "{ent_coef:g} / {vf_coef:g} × ½·MSE",
+        "gradient clip": "none ({max_grad_norm:g})",
+        "advantage normalization": "full {adv_norm}",
+        "reward normalizer γ, clip": "{reward_norm_gamma:g}, ±{reward_clip:g}",
+        "init": "{init}",
+        "architecture": "{arch}",
+        "gradient accumulation": None,
+    },
+    "docs/impala.md": {
+        "unroll T / batch": "{unroll_length} / {num_envs} games",
+        "γ": "{gamma:g}",
+        "baseline cost / entropy cost": "{baseline_cost:g} / {entropy_cost:g}",
+        "ρ̄ / c̄ / ρ̄_pg / λ": "{rho_bar:g} / {c_bar:g} / {pg_rho_bar:g} / {vtrace_lambda:g}",
+        "optimizer, lr": "Adam ε {adam_eps:e}, {learning_rate:e}",
+        "gradient-norm clip": "{max_grad_norm:g}",
+        "loss reduction": None,
+        "policy lag": "at most {max_policy_lag}",
+        "frames, rewards": "reward normalization (γ {reward_norm_gamma:g}), clip ±{reward_clip:g}",
+    },
+    "docs/rlhf.md": {
+        "β (KL)": "{beta:g}, {kl_estimator}",
+        "learning rate": "{ppo_lr:e}",
+        "batch, minibatches, epochs": "{rollout_batch_size}, {num_minibatches}, {ppo_epochs}",
+        "clip / value clip / value coefficient": "{clip_coef:g} / {clip_coef_value:g} / {vf_coef:g}",
+        "γ, λ": "{gamma:g}, {lam:g}",
+        "reward whitening": "{whiten_rewards:yn}",
+        "temperature": "{temperature:g}",
+        "missing EOS": "{missing_eos_penalty:g}",
+        "critic": None,
+    },
+}
+
+
+def hyperparameter_table(text):
+    """{row label: the 'ours (default)' cell} of the page's table whose header has that column."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|") and "ours (default)" in line)
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    column = header.index("ours (default)")
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[column]
+    return rows
+
+
+def ours_column_problems(texts):
+    problems = []
+    for page, templates in OURS_COLUMN.items():
+        script = PAGE_SCRIPTS[page]
+        values = {flag[2:].replace("-", "_"): value for flag, value in flag_defaults(script).items()
+                  if not flag.startswith("--no-")}
+        if "num_minibatches" in values and "num_steps" in values:  # a policy minibatch in frames and in games
+            values["minibatch_frames"] = values["num_envs"] * values["num_steps"] // values["num_minibatches"]
+            values["minibatch_games"] = values["num_envs"] // values["num_minibatches"]
+        values["aux_rollouts"] = effective_defaults()["--num-aux-rollouts"]
+        rows = hyperparameter_table(texts[page])
+        if sorted(rows) != sorted(templates):
+            problems.append(f"{page}: table rows {sorted(set(rows) ^ set(templates))} have no check or are gone")
+        for label, template in templates.items():
+            if template is None or label not in rows:
+                continue
+            expected = Shown().format(template, **values)
+            if expected not in rows[label].replace("−", "-"):
+                problems.append(f"{page}: row '{label}': ours is '{rows[label]}', {script}'s Args give '{expected}'")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def anchor_table_lines():
+    """The rows of the three per-game tables, from benchmarks/reference/ through anchors.py's own `table` (the
+    tables' generator, with its seed and resamples), in the order its main() draws them."""
+    anchors = load("benchmarks/reference/anchors.py")
+    import numpy as np
+    references = anchors.results.load_references()
+    rng = np.random.default_rng(0)
+    return [line for _, _, entries, marks in anchors.TABLES
+            for line in anchors.table(references, entries, marks, rng, 50_000) if line]
+
+
+def anchor_table_problems(texts):
+    """results.md's three per-game tables, every cell, against the anchors' data."""
+    return [f"docs/results.md lacks the anchors' row `{line[:120]}`" for line in anchor_table_lines()
+            if line not in texts["docs/results.md"]]
+
+
+def game_number_problems(texts):
+    """A per-game return in the prose ("StarPilot 34.85 ± 1.83", "BossFight 9.17") must be in that game's row of a
+    results.md table: the anchors' tables are checked against the data, CleanRL's quoted table names its source."""
+    rows = {}
+    for row in table_rows(texts["docs/results.md"]):
+        rows.setdefault(row[0].lower(), set()).update(re.findall(r"-?\d+\.\d+(?: ± \d+\.\d+)?", " ".join(row[1:])))
+    problems = []
+    for page, text in texts.items():
+        body = " ".join(prose(text).split())
+        for game, value in re.findall(r"\b(StarPilot|BossFight|BigFish) (\d+\.\d\d(?: ± \d+\.\d\d)?)(?![\d.])", body):
+            if value not in rows.get(game.lower(), ()) and value.split(" ±")[0] not in {
+                    number.split(" ±")[0] for number in rows.get(game.lower(), ())}:
+                problems.append(f"{page}: {game} {value} is in no {game} row of docs/results.md")
+    return problems
+
+
+def signed(value, digits):
+    return f"{value:+.{digits}f}".replace("-", "−")
+
+
+def rlhf_table_problems(texts):
+    """rlhf.md's five-seed table and β-sweep table, every number, against their JSON (mean ± standard error)."""
+    text = texts["docs/rlhf.md"]
+    rows = {row[0]: row for row in table_rows(text)}
+    seeds = json.load(open(os.path.join(ROOT, "docs", "rlhf_seeds_default.json")))["aggregate"]
+    sweep = json.load(open(os.path.join(ROOT, "docs", "rlhf_sweep_seeds.json")))["aggregate"]
+    best_of = {entry["n"]: entry for entry in seeds["bon"]}
+    expected = {}  # row label -> the cells after it, as the JSON gives them
+
+    def cell(stat, digits, sign=True):
+        shown = signed(stat["mean"], digits) if sign else f"{stat['mean']:.{digits}f}"
+        return f"{shown} ± {stat['se']:.{digits}f}"
+
+    expected["SFT policy"] = [cell(seeds["sft"]["gold/score"], 3), cell(seeds["sft"]["proxy/score"], 3), "0"]
+    ppo = seeds["ppo"]["0.05"]
+    expected["PPO, β = 0.05, 100 iterations"] = [f"**{cell(ppo['gold/score'], 3)}**", cell(ppo["proxy/score"], 3),
+                                                  cell(ppo["objective/kl"], 2, sign=False)]
+    for n in (64, 256):
+        entry = best_of[n]
+        expected[f"best-of-{n} from SFT"] = [cell(entry["gold/score"], 3), cell(entry["proxy/score"], 3),
+                                             f"≤ {entry['kl_bound']:.2f}"]
+    for beta in ("0", "0.01", "0.05", "0.2"):
+        key = str(float(beta))
+        peak = sweep["smoothed_peak"][key]
+        final = sweep["ppo"][key]
+        gold = cell(final["gold/score"], 2)
+        expected[beta] = [f"{signed(peak['gold/score'], 2)} ± {peak['gold/score se']:.2f} "
+                          f"({peak['objective/kl']:.1f} ± {peak['objective/kl se']:.1f}, it {peak['iteration']})",
+                          f"**{gold}**" if rows.get(beta, [""] * 3)[2].startswith("**") else gold,
+                          cell(final["proxy/score"], 2),
+                          cell(final["objective/kl"], 2 if final["objective/kl"]["mean"] < 10 else 1, sign=False)]
+    problems = []
+    for label, cells in expected.items():
+        shown = rows.get(label, [label])[1:len(cells) + 1]
+        if shown != cells:
+            problems.append(f"docs/rlhf.md row '{label}': {shown} where the JSON gives {cells}")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def cited_numbers():
+    """(page, text) of every prose number that cites a JSON, recomputed from that JSON."""
+    results_dir = os.path.join(ROOT, "benchmarks", "results")
+    rounds = json.load(open(os.path.join(results_dir, "cpu_vtrace_ab.json")))["rounds"]
+    play = [r["new"]["seconds_per_iteration"]["actor_play"] for r in rounds]
+    wait = [r["new"]["seconds_per_iteration"]["actor_wait"] for r in rounds]
+    ppg = json.load(open(os.path.join(results_dir, "cpu_ppg_default_n_pi1_e_aux1.json")))["results"][0]
+    rollout = ppg["seconds_per_iteration"]["rollout"]
+    update = ppg["seconds_per_iteration"]["update"]
+    policy_iteration = (f"about {rollout + update:.0f} s: rollout {rollout:.1f} s and update {update:.1f} s in "
+                        "`benchmarks/results/cpu_ppg_default_n_pi1_e_aux1.json`")
+    # A whole phase at the defaults: 32 policy iterations, then 6 epochs of 2,048 rollouts in minibatches of 4, each
+    # as long as the measured run's (its auxiliary phase: 1 epoch of 64 rollouts = 16 minibatches).
+    minibatch = ppg["aux_phase_s"] / 16
+    phase = 32 * (rollout + update) + 6 * 2048 / 4 * minibatch
+    seeds = json.load(open(os.path.join(ROOT, "docs", "rlhf_seeds_default.json")))["aggregate"]
+    gap = seeds["ppo_minus_best_of_256"]["0.05"]
+    rm = seeds["rm"]
+    return [
+        ("docs/speed.md", f"the actor plays {min(play):.1f}-{max(play):.1f} s and waits {min(wait):.1f}-"
+                          f"{max(wait):.1f} s of each iteration (the 7 rounds of the current design in "
+                          "`benchmarks/results/cpu_vtrace_ab.json`)"),
+        ("docs/ppg.md", policy_iteration),
+        ("docs/reliability.md", policy_iteration),
+        ("docs/speed.md", f"minibatches at the measured {minibatch:.1f} s each) would take about {phase / 3600:.1f} "
+                          f"hours on this CPU: about {32 * 16384 / phase:.0f} SPS overall"),
+        ("README.md", f"about {phase / 3600:.1f} hours (about {32 * 16384 / phase:.0f} steps/s"),
+        ("docs/rlhf.md", f"PPO minus best-of-256 is {signed(gap['gold/score']['mean'], 3)} ± "
+                         f"{gap['gold/score']['se']:.3f} in gold and {signed(gap['proxy/score']['mean'], 3)} ± "
+                         f"{gap['proxy/score']['se']:.3f} in proxy score"),
+        ("docs/rlhf.md", f"held-out accuracy {rm['rm/heldout_acc']['mean']:.3f} ± {rm['rm/heldout_acc']['se']:.3f} "
+                         f"against the noisy labels (the label noise caps it at {rm['rm/label_ceiling']['mean']:.3f} ± "
+                         f"{rm['rm/label_ceiling']['se']:.3f}) and {rm['rm/heldout_acc_gold']['mean']:.3f} ± "
+                         f"{rm['rm/heldout_acc_gold']['se']:.3f} against the noise-free gold order; held-out loss "
+                         f"{rm['rm/heldout_loss']['mean']:.3f} ± {rm['rm/heldout_loss']['se']:.3f}"),
+    ]
+
+
+def cited_number_problems(texts):
+    problems = []
+    for page, expected in cited_numbers():
+        if expected not in " ".join(texts[page].split()):
+            problems.append(f"{page} lacks `{expected}` (recomputed from its JSON)")
+    return problems
+
+
+EXTERNAL_CONTEXT = re.compile(r"(CleanRL|openai/[\w-]+|vwxyzjn/[\w-]+)(?:(?!\. ).){0,60}$", re.S)
+
+
+def cited_page_problems(texts):
+    """Every .md a page cites exists: link targets relative to the page, paths of this repository (docs/...,
+    shared/..., benchmarks/..., README.md) relative to its root; another repository's path (after its name) is
+    not ours to check."""
+    problems = []
+    for page, text in texts.items():
+        folder = os.path.dirname(os.path.join(ROOT, page))
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
+            if "://" not in target and not os.path.exists(os.path.join(folder, target)):
+                problems.append(f"{page}: link to {target}, which does not exist")
+        for match in re.finditer(r"(?<![\w/.(-])((?:docs|shared|benchmarks|tests|exercises)/[\w./-]+\.md|"
+                                 r"(?:README|CHANGELOG)\.md)\b", prose(text)):
+            if EXTERNAL_CONTEXT.search(prose(text)[max(0, match.start() - 60):match.start()]):
+                continue
+            if not os.path.exists(os.path.join(ROOT, match.group(1))):
+                problems.append(f"{page}: cites {match.group(1)}, which is not in the repository")
+    return problems
+
+
+def quoted_exits(texts):
+    """{(page, signal): exit status} that the pages quote for the Procgen scripts' first Ctrl-C / SIGTERM."""
+    quoted = {}
+    reliability = " ".join(texts["docs/reliability.md"].split())
+    for status, name in re.findall(r"\*\*(\d+)\*\* for (Ctrl-C|SIGTERM)", reliability):
+        quoted[("docs/reliability.md", "SIGINT" if name == "Ctrl-C" else name)] = int(status)
+    readme = " ".join(texts["README.md"].split())
+    match = re.search(r"Ctrl-C or SIGTERM saves [^.]*?exits (\d+) / (\d+)", readme)
+    if match:
+        quoted[("README.md", "SIGINT")] = int(match.group(1))
+        quoted[("README.md", "SIGTERM")] = int(match.group(2))
+    return quoted
+
+
+def quoted_messages(texts):
+    """The console lines reliability.md quotes for a first signal, as patterns (N: a number, <run>: a run folder)."""
+    section = re.search(r"^## Interrupts.*?(?=^## )", texts["docs/reliability.md"], flags=re.S | re.M).group(0)
+    patterns = []
+    for span in inline_spans(section):
+        if re.match(r"(SIGTERM: stopping|interrupted by SIGTERM)", span):
+            pattern = re.escape(span).replace(r"\<run\>", r"[^/\s]+").replace("<run>", r"[^/\s]+")
+            patterns.append((span, re.sub(r"\bN\b", r"\\d+", pattern)))
+    return patterns
+
+
+def exit_problems(texts, observed):
+    """`observed`: {signal name: exit status} of real runs. Both pages must quote both statuses, and rightly."""
+    quoted = quoted_exits(texts)
+    problems = [f"{page} no longer quotes the exit status after {name} in the form this test reads"
+                for page in ("README.md", "docs/reliability.md") for name in observed if (page, name) not in quoted]
+    return problems + [f"{page} quotes exit {status} after {name}; a real run exits {observed[name]}"
+                       for (page, name), status in quoted.items() if status != observed[name]]
+
+
+def message_problems(texts, output):
+    patterns = quoted_messages(texts)
+    problems = [] if len(patterns) >= 2 else ["docs/reliability.md quotes fewer than the two first-signal lines"]
+    return problems + [f"docs/reliability.md quotes `{span}`; a real run printed no such line"
+                       for span, pattern in patterns if not re.search(r"(?m)^" + pattern + "$", output)]
+
+
+def all_problems(texts):
+    """Every check of this section but the real-run ones, on a {page: text} dict."""
+    return (default_problems(texts) + ours_column_problems(texts) + anchor_table_problems(texts)
+            + game_number_problems(texts) + rlhf_table_problems(texts) + cited_number_problems(texts)
+            + cited_page_problems(texts))
+
+
+def test_every_default_the_docs_name_is_the_scripts():
+    texts = page_texts()
+    assert sum(len(named_defaults(text)) for text in texts.values()) >= 10  # the reader finds them
+    assert default_problems(texts) == []
+
+
+def test_every_hyperparameter_tables_ours_column_is_the_scripts_args():
+    assert ours_column_problems(page_texts()) == []
+
+
+def test_results_md_per_game_numbers_are_the_anchors_data():
+    texts = page_texts()
+    assert anchor_table_problems(texts) == [] and game_number_problems(texts) == []
+
+
+def test_rlhf_tables_and_prose_numbers_match_their_json():
+    texts = page_texts()
+    assert rlhf_table_problems(texts) == [] and cited_number_problems(texts) == []
+
+
+def test_every_cited_page_exists():
+    assert cited_page_problems(page_texts()) == []
+
+
+TINY_PPO = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "1", "--channels",
+            "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0", "--total-timesteps", "1000000",
+            "--torch-threads", "1", "--env-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def interrupted_runs(tmp_path_factory):
+    """{signal name: (exit status, console output)} of a tiny real PPO run sent that signal after its second
+    iteration line, as Ctrl-C and SLURM send them."""
+    import signal
+    folder = tmp_path_factory.mktemp("interrupted")
+    observed = {}
+    processes = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *TINY_PPO], cwd=folder,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for name in ("SIGINT", "SIGTERM")}  # both start at once; each gets its signal when it has trained
+    for name, process in processes.items():
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("iter 2/"):
+                process.send_signal(getattr(signal, name))
+                break
+        lines.append(process.communicate(timeout=120)[0])
+        observed[name] = (process.returncode, "".join(lines))
+    return observed
+
+
+def test_quoted_exit_statuses_and_messages_are_a_real_runs(interrupted_runs):
+    texts = page_texts()
+    assert exit_problems(texts, {name: status for name, (status, _) in interrupted_runs.items()}) == []
+    assert message_problems(texts, interrupted_runs["SIGTERM"][1]) == [], interrupted_runs["SIGTERM"][1][-2000:]
+
+
+# Seven wrong edits, each of which one check above must report (issue 26 found all seven passing the old checks).
+PLANTED_EDITS = [
+    ("a flag default in a table", "docs/rlhf.md", "`--threads` (default 1)", "`--threads` (default 2)"),
+    ("StarPilot's anchor score", "docs/results.md", "34.85", "38.85"),
+    ("the exit statuses", "README.md", "exits 130 / 143", "exits 1 / 2"),
+    ("a hyperparameter table's ours column", "docs/ppo.md", "| 0.999 / 0.95 | `--gamma`", "| 0.99 / 0.95 | `--gamma`"),
+    ("an rlhf.md table value", "docs/rlhf.md", "| +2.343 ± 0.227 |", "| +2.343 ± 0.272 |"),
+    ("a prose number citing a JSON", "docs/speed.md", "waits 15.8-19.9 s", "waits 16 s"),
+    ("a cited .md path", "docs/ppg.md", "[reliability.md](reliability.md)", "[reliability.md](reliable.md)"),
+]
+
+
+@pytest.mark.parametrize("what, page, old, new", PLANTED_EDITS, ids=[edit[0] for edit in PLANTED_EDITS])
+def test_each_planted_edit_is_reported(what, page, old, new):
+    texts = page_texts()
+    assert old in texts[page], f"{page} no longer has `{old}`: plant another {what}"
+    before = all_problems(texts)
+    real = {"SIGINT": 128 + 2, "SIGTERM": 128 + 15}  # what the real runs above exit with: 128 + the signal number
+    before += exit_problems(texts, real)
+    texts[page] = texts[page].replace(old, new)
+    after = all_problems(texts) + exit_problems(texts, real)
+    assert before == [] and len(after) > 0, f"{what}: {after}"
