@@ -720,8 +720,8 @@ def train(args: Args):
     log = Logger(args, run_dir, run_name)
     start = time.time()
     print(f"run {run_name} on {device}")
-    # A first Ctrl-C / SIGTERM stops the stage at hand at its next safe point (Stopped); leaving this
-    # block then says what was kept and exits with 128 + the signal's number.
+    # A first Ctrl-C / SIGTERM stops the stage at hand at its next safe point (Stopped); leaving
+    # this block then says what was kept and exits with 128 + the signal's number.
     with StopOnSignal(args, run_dir, log) as run:
         # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
         # samples it too. `random` is seeded.
@@ -1132,12 +1132,12 @@ def rollout_stats(batch, iteration):
 SMOOTHING_WINDOW = 5
 
 
-def mean_and_standard_error(values, axis=0):
+def mean_and_standard_error(values):
     """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); 0 with a single seed."""
     values = np.asarray(values, dtype=float)
-    seeds = values.shape[axis]
-    spread = values.std(axis=axis, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(axis))
-    return values.mean(axis=axis), spread
+    seeds = len(values)
+    spread = values.std(axis=0, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(0))
+    return values.mean(axis=0), spread
 
 
 def moving_average(values, window=SMOOTHING_WINDOW):
