@@ -17,10 +17,16 @@ included), the median seconds per iteration of each phase the script logs (time/
 policy inference + host-device copies, update; PPG's auxiliary phase; IMPALA's learner waiting for unrolls and
 learning, its actor waiting for parameters and playing), peak host RSS
 of the process and peak GPU memory; then each configuration's SPS over the first one's, per round (median quoted).
-Writes the same as JSON (--out).
+Apart from that steady state: the seconds until the measured iterations start (`warmup_s`: start-up of the loop,
+torch.compile's compilation, cuDNN's autotuning) and of the whole process. PPG: also the policy phase's SPS without
+the auxiliary phases, and the auxiliary phases that fell in the warm-up (the first one is cold) apart from the measured
+ones. Writes the same as JSON (--out), rewritten after every configuration; a configuration whose process fails is
+recorded with the end of its error output, the others still run, and bench.py then exits with status 1.
 """
 import argparse
+import contextlib
 import importlib
+import io
 import json
 import os
 import shlex
@@ -35,19 +41,28 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class ConfigurationFailed(Exception):
+    """A configuration's training process exited with an error; the message holds its command and error output's end."""
+
+
 def steps_per_iteration(script, flags):
     """Environment steps per training iteration at these flags, read from the script's own Args."""
     sys.path.insert(0, ROOT)
     module = importlib.import_module(os.path.splitext(script)[0])
-    args = tyro.cli(module.Args, args=flags)
+    messages = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(messages), contextlib.redirect_stderr(messages):
+            args = tyro.cli(module.Args, args=flags)
+    except SystemExit:  # tyro's message names the flag
+        raise ConfigurationFailed(f"{script} {shlex.join(flags)}: {messages.getvalue()[-3000:]}") from None
     if hasattr(args, "updates_per_iteration"):  # vtrace.py: updates x unrolls per update (one per game) x unroll length
         return args.updates_per_iteration * args.num_envs * args.unroll_length
     return args.num_envs * args.num_steps
 
 
 def run_once(script, flags, iterations, warmup, workdir):
-    """One training process; returns its measured iteration rows (after warm-up), its auxiliary-phase rows (PPG)
-    and its peak RSS."""
+    """One training process: `measure` of its metrics (the measured iterations, each with the seconds of any PPG
+    auxiliary phase inside it; the auxiliary phases; `warmup_s`), its wall time and its peak RSS."""
     launcher = [sys.executable]
     if "--nproc-per-node" in flags:  # data parallel: torchrun starts the ranks
         position = flags.index("--nproc-per-node")
@@ -56,37 +71,85 @@ def run_once(script, flags, iterations, warmup, workdir):
     total = (warmup + iterations) * steps_per_iteration(script, flags)
     command = [*launcher, os.path.join(ROOT, script), *flags, "--total-timesteps", str(total),
                "--eval-every", "0", "--eval-episodes", "1", "--exp-name", "bench"]
+    start = time.time()
     with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty child can never block on it
         process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
         _, status, usage = os.wait4(process.pid, 0)  # the child's own resource usage: its peak RSS
         if os.waitstatus_to_exitcode(status) != 0:
             stderr.seek(0)
-            raise SystemExit(f"error: {' '.join(command)} failed:\n{stderr.read()[-3000:]}")
+            raise ConfigurationFailed(f"{shlex.join(command)} exited with {os.waitstatus_to_exitcode(status)}:\n"
+                                      f"{stderr.read()[-3000:]}")
+    process_s = time.time() - start
     run_dir = max((os.path.join(workdir, "runs", d) for d in os.listdir(os.path.join(workdir, "runs"))),
                   key=os.path.getmtime)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    iteration_rows = [r for r in rows if "charts/SPS" in r]
+    return dict(measure(rows, warmup), process_s=process_s, rss=usage.ru_maxrss * 1024)  # Linux reports KiB
+
+
+def measure(rows, warmup):
+    """From a run's metrics rows: the measured iterations, the auxiliary phases after and within the warm-up, and the
+    seconds from the loop's start to the end of the warm-up."""
+    at = [index for index, row in enumerate(rows) if "charts/SPS" in row]  # the iteration rows' places in the file
     # Each measured iteration's time is the gap since the previous row: everything the loop did, PPG's auxiliary
-    # phase included (it runs between two iteration rows).
-    measured = [dict(r, steps=r["global_step"] - p["global_step"], seconds=r["time"] - p["time"])
-                for p, r in zip(iteration_rows[warmup - 1 :], iteration_rows[warmup:])]
-    return measured, [r for r in rows if "time/aux_phase" in r], usage.ru_maxrss * 1024  # Linux reports KiB
+    # phase included (it runs between two iteration rows, and its own row lies between them).
+    measured = []
+    for before, after in zip(at[warmup - 1 :], at[warmup:]):
+        aux_seconds = sum(row["time/aux_phase"] for row in rows[before:after] if "time/aux_phase" in row)
+        measured.append(dict(rows[after], steps=rows[after]["global_step"] - rows[before]["global_step"],
+                             seconds=rows[after]["time"] - rows[before]["time"], aux_seconds=aux_seconds))
+    boundary = at[warmup - 1]  # the last warm-up iteration's row
+    aux = [(index, row["time/aux_phase"]) for index, row in enumerate(rows) if "time/aux_phase" in row]
+    return {"measured": measured, "aux_phases": [seconds for index, seconds in aux if index > boundary],
+            "aux_phases_warmup": [seconds for index, seconds in aux if index < boundary],
+            "warmup_s": rows[boundary]["time"]}
 
 
 def summarize(name, rounds):
     """Pool the measured iterations of all rounds."""
-    rows = [r for measured, _, _ in rounds for r in measured]
+    rows = [row for run in rounds for row in run["measured"]]
     sps = [r["steps"] / r["seconds"] for r in rows]
     splits = sorted({key for r in rows for key in r if key.startswith("time/")})
-    aux = [r["time/aux_phase"] for _, aux_rows, _ in rounds for r in aux_rows]
+    aux = [seconds for run in rounds for seconds in run["aux_phases"]]
+    aux_warmup = [seconds for run in rounds for seconds in run["aux_phases_warmup"]]
+    policy_phase_sps = None
+    if aux or aux_warmup:  # PPG: the policy phase alone, each iteration's auxiliary phase taken out
+        policy_phase_sps = statistics.median(r["steps"] / (r["seconds"] - r["aux_seconds"]) for r in rows)
     gpu = [r.get("perf/gpu_memory_gb") for r in rows if r.get("perf/gpu_memory_gb") is not None]
     return {"config": name, "iterations": len(rows), "sps_median": statistics.median(sps), "sps_min": min(sps),
             "sps_max": max(sps), "sps_overall": sum(r["steps"] for r in rows) / sum(r["seconds"] for r in rows),
+            "sps_policy_phase": policy_phase_sps,
             "seconds_per_iteration": {key[5:]: statistics.median(r[key] for r in rows) for key in splits},
-            "aux_phase_s": statistics.median(aux) if aux else None,
-            "round_sps": [sum(r["steps"] for r in m) / sum(r["seconds"] for r in m) for m, _, _ in rounds],
-            "peak_rss_gb": max(rss for _, _, rss in rounds) / 2**30, "peak_gpu_gb": max(gpu) if gpu else None}
+            "aux_phase_s": statistics.median(aux) if aux else None, "aux_phase_warmup_s": aux_warmup,
+            "warmup_s": statistics.median(run["warmup_s"] for run in rounds),
+            "process_s": statistics.median(run["process_s"] for run in rounds),
+            "round_sps": [sum(r["steps"] for r in run["measured"]) / sum(r["seconds"] for r in run["measured"])
+                          for run in rounds],
+            "peak_rss_gb": max(run["rss"] for run in rounds) / 2**30, "peak_gpu_gb": max(gpu) if gpu else None}
+
+
+def results_so_far(configs, rounds, failures):
+    """One entry per configuration in their order: its summary, or its error; ratios against the first that ran."""
+    results = []
+    for name, _ in configs:
+        if name in failures:
+            results.append({"config": name, "error": failures[name]})
+        elif rounds[name]:
+            results.append(summarize(name, rounds[name]))
+    measured = [r for r in results if "error" not in r]
+    for result in measured:
+        ratios = [b / a for a, b in zip(measured[0]["round_sps"], result["round_sps"])]
+        result["sps_ratio_to_first"] = {"median": statistics.median(ratios), "per_round": ratios}
+    return results
+
+
+def write_json(path, args, configs, results):
+    """Atomically, so that a reader (or a kill) never meets half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"script": args.script, "iterations": args.iterations, "warmup": args.warmup,
+                   "repeats": args.repeats, "configs": dict(configs), "results": results}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
@@ -98,37 +161,44 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations per run")
     parser.add_argument("--warmup", type=int, default=2, help="iterations dropped at the start of each run (>= 1)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of A B ... alternation")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, help="write the results as JSON here, after every configuration")
     args = parser.parse_args(argv)
     if min(args.iterations, args.warmup, args.repeats) < 1:
         parser.error("--iterations, --warmup and --repeats must be >= 1 (the first iteration times the start-up)")
     configs = [c.split("=", 1) if "=" in c else (c, c) for c in (args.config or ["default="])]
     configs = [(name, shlex.split(args.common) + shlex.split(flags)) for name, flags in configs]
     rounds = {name: [] for name, _ in configs}
+    failures = {}  # name -> the command and the end of its error output; a failed configuration is not run again
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.repeats):
             for name, flags in configs:
+                if name in failures:
+                    continue
                 start = time.time()
-                rounds[name].append(run_once(args.script, flags, args.iterations, args.warmup, workdir))
+                try:
+                    rounds[name].append(run_once(args.script, flags, args.iterations, args.warmup, workdir))
+                except ConfigurationFailed as error:
+                    failures[name] = str(error)
+                    print(f"error: configuration {name} failed: {error}", file=sys.stderr)
                 print(f"round {round_index + 1}/{args.repeats} {name}: {time.time() - start:.0f}s", file=sys.stderr)
-    results = [summarize(name, rounds[name]) for name, _ in configs]
-    for result in results:
-        ratios = [b / a for a, b in zip(results[0]["round_sps"], result["round_sps"])]
-        result["sps_ratio_to_first"] = {"median": statistics.median(ratios), "per_round": ratios}
+                if args.out:
+                    write_json(args.out, args, configs, results_so_far(configs, rounds, failures))
+    results = results_so_far(configs, rounds, failures)
     print(f"{args.script}, {args.iterations} iterations x {args.repeats} rounds after {args.warmup} warm-up; "
           "SPS per iteration (median, min-max), overall (all steps / all time), seconds per iteration by phase")
     for r in results:
+        if "error" in r:
+            print(f"{r['config']:<16} FAILED (the end of its error output is in the JSON)")
+            continue
         spread = f"({r['sps_min']:,.0f}-{r['sps_max']:,.0f})"
         phases = " ".join(f"{key} {value:.3f}" for key, value in r["seconds_per_iteration"].items())
         aux = f" aux_phase {r['aux_phase_s']:.2f}" if r["aux_phase_s"] is not None else ""
         gpu = f", GPU {r['peak_gpu_gb']:.2f} GB" if r["peak_gpu_gb"] is not None else ""
         print(f"{r['config']:<16} SPS {r['sps_median']:>9,.0f} {spread:>17} overall {r['sps_overall']:>9,.0f} | "
-              f"{phases}{aux} | RSS {r['peak_rss_gb']:.2f} GB{gpu} | ratio {r['sps_ratio_to_first']['median']:.2f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"script": args.script, "iterations": args.iterations, "warmup": args.warmup,
-                       "repeats": args.repeats, "configs": dict(configs), "results": results}, f, indent=1)
+              f"{phases}{aux} | warm-up {r['warmup_s']:.1f}s | RSS {r['peak_rss_gb']:.2f} GB{gpu} | "
+              f"ratio {r['sps_ratio_to_first']['median']:.2f}")
+    if failures:
+        raise SystemExit(f"error: {len(failures)} of {len(configs)} configurations failed: {', '.join(failures)}")
     return results
 
 

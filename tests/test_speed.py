@@ -107,7 +107,7 @@ def test_gpu_bench_dry_run_flags_parse():
             module.check_args(args)
             parsed.append((script, flags))
     assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
-    assert len(parsed) == 2 + 2 + 3 + 1 + 1, parsed
+    assert len(parsed) == 3 + 1 + 2 + 1 + 1, parsed  # PPO, PPG, IMPALA configurations, learning, NCCL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
