@@ -25,11 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-FIRST_COMMANDS = [  # the README's first two shell commands; CI (.ci/run) runs the second verbatim
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && python ppg_procgen.py "
-    "--env-id starpilot",
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && python -m pytest -q tests",
-]
+CI_TEST_COMMAND = "pip install -r requirements.txt && python -m pytest -q tests"  # .ci/run's, after its venv
+VENVS = ("python3.11 -m venv .venv && . .venv/bin/activate", "python3.12 -m venv .venv && . .venv/bin/activate")
+CPU_TORCH = "pip install torch=={} --index-url https://download.pytorch.org/whl/cpu"
 TYRO_SCRIPTS = {  # script -> (module, dataclass): parsed in-process with tyro.cli(Args, args=argv)
     "ppo_procgen.py": ("ppo_procgen", "Args"), "ppg_procgen.py": ("ppg_procgen", "Args"),
     "vtrace.py": ("vtrace", "Args"),
@@ -40,7 +38,7 @@ PROCGEN_SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py")
 # Flags of other programs that the pages name: torchrun, SLURM, pip, and pytest's options added in exercises/.
 EXTERNAL_FLAGS = {"--nproc-per-node", "--standalone", "--nnodes", "--rdzv-id", "--rdzv-backend", "--rdzv-endpoint",
                   "--signal", "--requeue", "--index-url", "--dry-run", "--script", "--no-train", "--help",
-                  "--logdir"}
+                  "--logdir", "--no-deps", "--only-binary", "--platform", "--python-version"}
 SHELL_SEPARATORS = {"&&", "||", ";", "|", "&", ">", ">>", "<", "2>", "2>&1"}
 CODE_LANGUAGES = {"", "bash", "sh", "shell", "console", "yaml"}  # yaml: shell in a block scalar
 
@@ -231,12 +229,44 @@ def named_flags(text):
 
 
 # ---- the tests ----
-def test_the_readme_starts_with_the_two_commands_ci_runs():
+def readme_install_blocks():
+    """The README's first three shell blocks: the CPU machine's install, the GPU machine's, then the commands."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    commands = [body.strip() for language, body in code_blocks(text) if language in ("bash", "sh", "")]
-    assert commands[:2] == FIRST_COMMANDS
-    assert FIRST_COMMANDS[1] in open(os.path.join(ROOT, ".ci", "run")).read()
+    return [body.strip().splitlines() for language, body in code_blocks(text) if language in ("bash", "sh", "")][:3]
+
+
+def test_the_readmes_first_screen_installs_for_the_machine():
+    """Two labelled blocks from python3.11/3.12: the CPU build of torch first (the pin of requirements.txt), then
+    requirements.txt; the GPU block takes PyPI's default wheel; then the commands, the tests exactly as CI runs them."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    cpu, gpu, commands = readme_install_blocks()
+    pin = re.search(r"^torch==([\d.]+)$", open(os.path.join(ROOT, "requirements.txt")).read(), re.M).group(1)
+    assert cpu[0] in VENVS and gpu[0] in VENVS and cpu[1] == gpu[1] and "sys.version_info" in cpu[1]
+    assert cpu[2:] == [CPU_TORCH.format(pin), "pip install -r requirements.txt"]
+    assert gpu[2:] == ["pip install -r requirements.txt"]
+    assert text.index("**A CPU machine**") < text.index("```bash") < text.index("**An NVIDIA GPU machine**")
+    assert text.index(commands[-1]) < 3000, "the install and run blocks are the README's first screen"
+    assert "CUDA 13.0 build" in text and "R580 branch or newer" in text  # the GPU block's driver requirement
+    assert [line.split("#")[0].strip() for line in commands] == ["python ppg_procgen.py --env-id starpilot",
+                                                                 "python -m pytest -q tests"]
+    assert CI_TEST_COMMAND in open(os.path.join(ROOT, ".ci", "run")).read()
     assert len(text.splitlines()) <= 250, "README.md is the front page: at most 250 lines"
+
+
+@pytest.mark.parametrize("version, ok", [((3, 10, 14), False), ((3, 11, 9), True), ((3, 12, 3), True),
+                                         ((3, 13, 1), False)])
+def test_the_install_blocks_version_check_says_why_in_one_line(version, ok):
+    """The README's check, run as written under each Python version (sys.version_info replaced before it runs)."""
+    check = shlex.split(readme_install_blocks()[0][1])
+    assert check[:2] == ["python", "-c"]
+    fake = f"import sys; sys.version_info = {version!r}; exec(compile({check[2]!r}, '-c', 'exec'))"
+    result = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=60)
+    if ok:
+        assert result.returncode == 0 and result.stderr == ""
+    else:
+        assert result.returncode == 1 and result.stderr == (
+            f"procgen-mirror 0.10.7 has wheels for CPython 3.11 and 3.12 only, this is {version[0]}.{version[1]}: "
+            "make the venv with python3.11 or python3.12\n")
 
 
 @pytest.mark.parametrize("page", pages(), ids=relative)
