@@ -720,9 +720,7 @@ def train(args: Args):
     log = Logger(args, run_dir, run_name)
     start = time.time()
     print(f"run {run_name} on {device}")
-    # A first Ctrl-C / SIGTERM stops the stage at hand at its next safe point (Stopped); leaving
-    # this block then says what was kept and exits with 128 + the signal's number.
-    with StopOnSignal(args, run_dir, log) as run:
+    with StopOnSignal(args, run_dir, log) as run:  # Ctrl-C / SIGTERM: stop at the next safe point
         # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
         # samples it too. `random` is seeded.
         corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]
@@ -758,7 +756,6 @@ def train(args: Args):
             torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
             policy = copy.deepcopy(sft).requires_grad_(True)
             critic = critic_from_reward_model(rm, rm_info)
-            # a sweep logs each beta's records to TensorBoard's beta_{beta}: a run of its own
             beta_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}" if args.sweep else "")
             name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
             try:
@@ -812,14 +809,14 @@ def seed_and_choose_device(args):
 
 
 # ---------------------------------------------------------------- signals and checkpoints of a run
-SIGNALS_RECEIVED = []  # filled by StopOnSignal's handler during a run; read at the stages' safe points
+SIGNALS_RECEIVED = []  # a run's first Ctrl-C / SIGTERM (StopOnSignal); read at the safe points
 
 
 @dataclass
 class Stopped(Exception):
-    """Raised at a stage's safe point after a first Ctrl-C or SIGTERM."""
-    stage: str  # for the message
-    done: int  # the stage's finished steps
+    """Raised at a safe point after a first signal: the stage (for the message), its steps done."""
+    stage: str
+    done: int
 
 
 def stop_if_signalled(stage, done):
@@ -829,10 +826,9 @@ def stop_if_signalled(stage, done):
 
 
 class StopOnSignal:
-    """The first Ctrl-C or SIGTERM only records the signal: the stage at hand raises Stopped at its
-    next safe point, and leaving this block then prints one line on what was kept and exits 128 +
-    the signal's number (also when the signal came during the last stage). A second signal stops at
-    once, with one line. On leaving, the previous handlers come back and the logger is closed.
+    """A first Ctrl-C or SIGTERM is only recorded: the stage at hand raises Stopped at its next safe
+    point, and leaving this block (also after the last stage) then ends the run with one line on
+    what was kept and exit status 128 + the signal. A second signal stops at once, with one line.
     `save` writes the checkpoints (with --save-model) and lists them for that line."""
 
     def __init__(self, args, run_dir, log):
@@ -840,7 +836,6 @@ class StopOnSignal:
         self.run_dir = run_dir
         self.log = log
         self.saved = []
-        self.previous = {}
 
     def handler(self, signum, frame):
         name = signal.Signals(signum).name
