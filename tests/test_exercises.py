@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import ROOT
 
-from exercises import grade, grading, instructor
+from exercises import grade, grading, instructor, silent_bugs
 from exercises.texts import EXERCISES, STUB_TEXT
 
 SCRIPT_OF = {name: exercise["script"] for name, exercise in EXERCISES.items()}
@@ -712,3 +712,32 @@ def test_training_that_reaches_another_blank_says_which(starter):
     with pytest.raises(grade.Failed, match="another blank of this script") as info:
         grade.train_and_judge(module, lambda line: None)
     assert "Exercise gae" in str(info.value)
+
+
+# ---------------------------------------------------------------- silent-bug exercises
+def test_every_silent_bug_is_one_exact_line_and_a_changed_script_fails_loudly(tmp_path):
+    written = silent_bugs.make(str(tmp_path))
+    for name, path in zip(silent_bugs.BUGS, written):
+        bug = silent_bugs.BUGS[name]
+        original = open(os.path.join(ROOT, bug["script"])).read().splitlines()
+        planted = open(path).read().splitlines()
+        changed = [(old, new) for old, new in zip(original, planted) if old != new]
+        assert len(original) == len(planted) and len(changed) == 1, name
+        assert changed[0][0].strip() == bug["line"] and changed[0][1].strip() == bug["bug"]
+        readme = open(os.path.join(os.path.dirname(path), "README.txt")).read()
+        assert bug["symptom"] in readme and bug["bug"] not in readme  # the symptom, not the bug
+    source = open(os.path.join(ROOT, "ppo_procgen.py")).read()
+    bug = silent_bugs.BUGS["advantage-normalization"]
+    with pytest.raises(silent_bugs.BugNotFound, match="found it 0 times .the script changed: update BUGS.") as info:
+        silent_bugs.plant(source.replace(bug["line"], "mean, std = advantages_moments(mb_advantages)"),
+                          "advantage-normalization")
+    assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.exercise_training
+def test_the_silent_bug_check_fails_on_the_bug_and_passes_on_the_fix(tmp_path):
+    (path,) = silent_bugs.make(str(tmp_path), ["entropy-sign"])
+    lines = []
+    assert not silent_bugs.check("entropy-sign", path, lines.append)
+    assert "does not train as the reference does" in lines[-1] and "losses/" in lines[-1]
+    assert silent_bugs.check("entropy-sign", os.path.join(ROOT, "vtrace.py"), lines.append)
