@@ -323,8 +323,11 @@ def missing_anchors(groups):
             prefix = f"no anchor: {algorithm} ({mode}) {game}"
             references = run_references(runs)
             if not references:
-                reasons = sorted({no_match_reason(run.args) or "matches one" for run in runs})
-                reason = reasons[0] if len(reasons) == 1 else "its seeds ran different flags: " + "; ".join(reasons)
+                reasons = [no_match_reason(run.args) for run in runs]
+                reason = reasons[0]
+                if reason is None or len(set(reasons)) > 1:  # the seeds ran different flags
+                    reason = "its seeds ran different flags: " + "; ".join(
+                        f"seed {run.seed}: {why or 'an anchor matches it alone'}" for run, why in zip(runs, reasons))
                 lines.append(f"{prefix}: {reason}")
                 continue
             curves = references[0].curves.get(game)

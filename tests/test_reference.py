@@ -304,3 +304,29 @@ def test_rules_module_imports_no_script():
     source = open(os.path.join(ROOT, "benchmarks", "reference", "on_track.py")).read()
     for script in ("ppo_procgen", "ppg_procgen", "vtrace", "ppo_rlhf_toy", "results"):
         assert f"import {script}" not in source and f"from {script}" not in source
+
+
+def test_a_missing_anchor_is_named_with_its_reason(tmp_path):
+    """missing_anchors' other reasons (the real runs of test_results.py cover script, flags and steps): the mode, seeds
+    of one group that ran different flags, and an anchor that logged no row at the step the seeds reached."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ppg_procgen", "bigfish", 1, 5.0)  # easy mode
+    ppg_runs(runs, "starpilot", [5.0, 6.0])  # hard, at the defaults: matched, and 100M is inside the anchor's curve
+    with open(os.path.join(write_run(runs, "ppg_procgen", "starpilot", 3, 5.0, mode="hard", steps_per_iteration=4e6,
+                                     iterations=25), "args.json")) as f:
+        args = json.load(f)
+    path = max(runs.glob("starpilot__ppg_procgen__3__*"))
+    (path / "args.json").write_text(json.dumps({**args, "n_pi": 8, "e_aux": 2}))  # two changed: no ablation has both
+    write_run(runs, "ppo_procgen", "starpilot", 1, 5.0, mode="hard", steps_per_iteration=100, iterations=2)
+    lines = results.missing_anchors(results.main([str(runs), "--on-track"])["groups"])
+    reference = results.load_references()["train_procgen/hard-all"]
+    first = max(x[0] for x, _ in reference.curves["starpilot"])
+    assert lines == [
+        "no anchor: PPG (easy) bigfish: ppg_procgen.py --distribution-mode easy --num-levels 0: the official PPG runs "
+        "are hard mode on all levels (--num-levels 0)",
+        "no anchor: PPG (hard) starpilot: its seeds ran different flags: seed 1: an anchor matches it alone; "
+        "seed 2: an anchor matches it alone; seed 3: ppg_procgen.py --n-pi 8 --e-aux 2: no official run changed "
+        "these together (or with this variant)",
+        f"no anchor: PPO (hard) starpilot @ 0.2k: steps outside the anchor's curve (official baselines PPO (hard-all) "
+        f"logged from {results.format_step(first)} to 200.0M)",
+    ]
