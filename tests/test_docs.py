@@ -235,7 +235,8 @@ def named_flags(text):
 def readme_install_blocks():
     """The README's first three shell blocks: the CPU machine's install, the GPU machine's, then the commands."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    return [body.strip().splitlines() for language, body in code_blocks(text) if language in ("bash", "sh", "")][:3]
+    blocks = [body.strip().splitlines() for language, body in code_blocks(text) if language in ("bash", "sh", "")]
+    return [[line.removesuffix(" &&") for line in block] for block in blocks[:3]]  # a failed step stops the rest
 
 
 def test_the_readmes_first_screen_installs_for_the_machine():
@@ -245,6 +246,8 @@ def test_the_readmes_first_screen_installs_for_the_machine():
     cpu, gpu, commands = readme_install_blocks()
     pin = re.search(r"^torch==([\d.]+)$", open(os.path.join(ROOT, "requirements.txt")).read(), re.M).group(1)
     assert cpu[0] in VENVS and gpu[0] in VENVS and cpu[1] == gpu[1] and "sys.version_info" in cpu[1]
+    install = [body.strip().splitlines() for language, body in code_blocks(text) if language == "bash"][:2]
+    assert all(line.endswith(" &&") for block in install for line in block[1:-1]), "the check stops the install"
     assert cpu[2:] == [CPU_TORCH.format(pin), "pip install -r requirements.txt"]
     assert gpu[2:] == ["pip install -r requirements.txt"]
     assert text.index("**A CPU machine**") < text.index("```bash") < text.index("**An NVIDIA GPU machine**")
