@@ -909,9 +909,9 @@ def report_sweep(args, run_dir, histories, finals, bon):
     """The sweep's plot, and one line per beta: the peak of its smoothed gold curve, and its end."""
     plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
     os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-    plot_sweep([(histories, bon)], plot_path)
+    plot_sweep(histories, bon, plot_path)
     for beta, history in histories.items():
-        peak = smoothed_peak([history])
+        peak = smoothed_peak(history)
         final = finals[beta]
         print(f"sweep beta={beta:g}: peak of the smoothed gold {peak['gold/score']:+.3f} at KL "
               f"{peak['objective/kl']:.2f} (iteration {peak['iteration']}; {SMOOTHING_WINDOW}-iteration "
@@ -1120,19 +1120,11 @@ def rollout_stats(batch, iteration):
     return stats
 
 
-# ---------------------------------------------------------------- statistics over seeds and the sweep's plot
+# ---------------------------------------------------------------- the sweep's curves and plot
 # PPO iterations in the centred moving average of the sweep's curves and peaks: enough to average
 # out the noise of rollout-batch means, short enough to keep beta = 0's gold peak, which lasts a few
 # iterations (a 9-iteration window lowered it by another 0.19, mean of 3 seeds)
 SMOOTHING_WINDOW = 5
-
-
-def mean_and_standard_error(values):
-    """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); 0 with a single seed."""
-    values = np.asarray(values, dtype=float)
-    seeds = len(values)
-    spread = values.std(axis=0, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(0))
-    return values.mean(axis=0), spread
 
 
 def moving_average(values, window=SMOOTHING_WINDOW):
@@ -1143,57 +1135,38 @@ def moving_average(values, window=SMOOTHING_WINDOW):
     return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
-def smoothed_peak(histories, key="gold/score", window=SMOOTHING_WINDOW):
-    """Where the seed-mean of the smoothed `key` curves peaks. `histories`: one PPO history per seed
-    (same length). Returns the iteration (1-based, the window's centre), key and KL there, each with
-    its standard error."""
-    window = min(window, len(histories[0]))
-    curves = {name: np.stack([moving_average([record[name] for record in history], window) for history in histories])
-              for name in (key, "objective/kl")}
-    mean, error = mean_and_standard_error(curves[key])
-    peak = int(mean.argmax())
-    kl_mean, kl_error = mean_and_standard_error(curves["objective/kl"])
-    return {"iteration": peak + (window - 1) // 2 + 1, key: float(mean[peak]), f"{key} se": float(error[peak]),
-            "objective/kl": float(kl_mean[peak]), "objective/kl se": float(kl_error[peak])}
+def smoothed_peak(history):
+    """Where one PPO history's smoothed gold curve peaks: the iteration (1-based, the window's
+    centre), and the smoothed gold and KL there."""
+    gold, kl = (moving_average([record[key] for record in history]) for key in ("gold/score", "objective/kl"))
+    peak = int(gold.argmax())
+    window = min(SMOOTHING_WINDOW, len(history))
+    return {"iteration": peak + (window - 1) // 2 + 1, "gold/score": float(gold[peak]), "objective/kl": float(kl[peak])}
 
 
-def plot_sweep(runs, path):
-    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep.
-    `runs` holds one (histories by beta, best-of-n rows) pair per seed. Lines: the mean over seeds
-    of each seed's centred moving average; bands: +- one standard error over seeds (none with one
-    seed)."""
+def plot_sweep(histories, bon, path):
+    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep: the
+    centred moving averages of its PPO history; best-of-n at its KL upper bound."""
     from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(17, 4.8))
     axes = fig.subplots(1, 3)
     colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
-    def curve(beta, key, transform=np.asarray):  # mean and standard error over seeds of the smoothed curves
-        smoothed = [moving_average(transform([record[key] for record in histories[beta]])) for histories, _ in runs]
-        return mean_and_standard_error(smoothed)
-
-    for beta, color in zip(runs[0][0], colors):
-        sqrt_kl = curve(beta, "objective/kl", lambda kl: np.sqrt(np.maximum(kl, 0)))[0]
-        episodes = curve(beta, "episode")[0]
+    for (beta, history), color in zip(histories.items(), colors):
+        curve = {key: moving_average([record[key] for record in history])
+                 for key in ("gold/score", "proxy/score", "objective/kl", "episode")}
+        sqrt_kl = moving_average(np.sqrt(np.maximum([record["objective/kl"] for record in history], 0)))
         for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
-            mean, error = curve(beta, key)
-            axes[0].plot(sqrt_kl, mean, style, color=color, label=f"PPO beta={beta:g}: {what}")
-            axes[0].fill_between(sqrt_kl, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-            axes[1].plot(episodes, mean, style, color=color)
-            axes[1].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-        mean, error = curve(beta, "objective/kl")
-        axes[2].plot(episodes, mean, color=color, label=f"beta={beta:g}")
-        axes[2].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
-    bon_rows = runs[0][1]
+            axes[0].plot(sqrt_kl, curve[key], style, color=color, label=f"PPO beta={beta:g}: {what}")
+            axes[1].plot(curve["episode"], curve[key], style, color=color)
+        axes[2].plot(curve["episode"], curve["objective/kl"], color=color, label=f"beta={beta:g}")
     for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
-        mean, error = mean_and_standard_error([[row[key] for row in bon] for _, bon in runs])
-        label = f"best-of-n (n <= {bon_rows[-1]['n']}): {key.split('/')[0]}, KL upper bound"
-        axes[0].errorbar([math.sqrt(row["kl_bound"]) for row in bon_rows], mean, yerr=error, fmt=style, ms=4,
-                         color="tab:red", label=label)
-    seeds = f"mean +- SE over {len(runs)} seeds, " if len(runs) > 1 else ""
-    smoothing = f"{seeds}{SMOOTHING_WINDOW}-iteration centred moving average"
+        axes[0].plot([math.sqrt(row["kl_bound"]) for row in bon], [row[key] for row in bon], style, ms=4,
+                     color="tab:red", label=f"best-of-n (n <= {bon[-1]['n']}): {key.split('/')[0]}, KL upper bound")
     ylabel = "score (solid: hidden gold, dashed: proxy RM)"
     axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
-    axes[1].set(xlabel="episodes", ylabel=ylabel, title=f"gold and proxy during PPO\n({smoothing})")
+    axes[1].set(xlabel="episodes", ylabel=ylabel,
+                title=f"gold and proxy during PPO\n({SMOOTHING_WINDOW}-iteration centred moving average)")
     axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=8)

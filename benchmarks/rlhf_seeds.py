@@ -9,12 +9,14 @@ deviation (ddof 1) / sqrt(seeds). Prints Markdown tables; writes every seed's nu
 """
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,10 +36,33 @@ class SeedsArgs(toy.Args):
     """JSON with every seed's numbers and the aggregate (default runs/rlhf_seeds__{time}.json)"""
 
 
+def mean_and_standard_error(values):
+    """Mean over seeds and its standard error, std (ddof 1) / sqrt(seeds); 0 with a single seed."""
+    values = np.asarray(values, dtype=float)
+    seeds = len(values)
+    spread = values.std(axis=0, ddof=1) / math.sqrt(seeds) if seeds > 1 else np.zeros_like(values.mean(0))
+    return values.mean(axis=0), spread
+
+
 def mean_se(values):
-    """{'mean', 'se'} over seeds (the script's mean_and_standard_error)."""
-    mean, error = toy.mean_and_standard_error(values)
+    """{'mean', 'se'} over seeds."""
+    mean, error = mean_and_standard_error(values)
     return {"mean": float(mean), "se": float(error)}
+
+
+def smoothed_peak(histories, window=toy.SMOOTHING_WINDOW):
+    """Where the seed-mean of the smoothed gold curves peaks (toy.smoothed_peak: one run's). `histories`: one PPO
+    history per seed (same length). Returns the iteration (1-based, the window's centre), gold and KL there, each
+    with its standard error."""
+    window = min(window, len(histories[0]))
+    curves = {key: np.stack([toy.moving_average([record[key] for record in history], window) for history in histories])
+              for key in ("gold/score", "objective/kl")}
+    gold, gold_error = mean_and_standard_error(curves["gold/score"])
+    peak = int(gold.argmax())
+    kl, kl_error = mean_and_standard_error(curves["objective/kl"])
+    return {"iteration": peak + (window - 1) // 2 + 1, "gold/score": float(gold[peak]),
+            "gold/score se": float(gold_error[peak]), "objective/kl": float(kl[peak]),
+            "objective/kl se": float(kl_error[peak])}
 
 
 def gold_at_kl(history, level):
@@ -49,7 +74,9 @@ def gold_at_kl(history, level):
 def aggregate(results):
     """Mean +- standard error over seeds of the RM's numbers, the SFT and final PPO evaluations, best-of-n, the
     paired difference PPO - best-of-n (largest n) of each seed, and the smoothed gold peak of each beta."""
-    over_seeds = lambda get: mean_se([get(result) for result in results])
+    def over_seeds(get):
+        return mean_se([get(result) for result in results])
+
     betas = list(results[0]["ppo"])
     scores = ("gold/score", "proxy/score")
     largest_n = results[0]["bon"][-1]["n"]
@@ -61,7 +88,7 @@ def aggregate(results):
         summary["ppo"][beta] = {key: over_seeds(lambda result: result["ppo"][beta][key]) for key in EVAL_KEYS}
         summary[f"ppo_minus_best_of_{largest_n}"][beta] = {
             key: over_seeds(lambda result: result["ppo"][beta][key] - result["bon"][-1][key]) for key in scores}
-        summary["smoothed_peak"][beta] = toy.smoothed_peak([result["histories"][float(beta)] for result in results])
+        summary["smoothed_peak"][beta] = smoothed_peak([result["histories"][float(beta)] for result in results])
         summary["gold_at_kl"][beta] = {}
         for level in KL_LEVELS:  # over the seeds whose run reached this KL
             golds = [gold_at_kl(result["histories"][float(beta)], level) for result in results]
@@ -71,6 +98,51 @@ def aggregate(results):
         summary["bon"].append({"n": row["n"], "kl_bound": row["kl_bound"],
                                **{key: over_seeds(lambda result: result["bon"][index][key]) for key in scores}})
     return summary
+
+
+def plot_sweep(runs, path):
+    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep.
+    `runs` holds one (histories by beta, best-of-n rows) pair per seed. Lines: the mean over seeds
+    of each seed's centred moving average; bands: +- one standard error over seeds (none with one
+    seed)."""
+    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
+
+    fig = Figure(figsize=(17, 4.8))
+    axes = fig.subplots(1, 3)
+    colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
+    def curve(beta, key, transform=np.asarray):  # mean and standard error over seeds of the smoothed curves
+        smoothed = [toy.moving_average(transform([record[key] for record in histories[beta]])) for histories, _ in runs]
+        return mean_and_standard_error(smoothed)
+
+    for beta, color in zip(runs[0][0], colors):
+        sqrt_kl = curve(beta, "objective/kl", lambda kl: np.sqrt(np.maximum(kl, 0)))[0]
+        episodes = curve(beta, "episode")[0]
+        for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
+            mean, error = curve(beta, key)
+            axes[0].plot(sqrt_kl, mean, style, color=color, label=f"PPO beta={beta:g}: {what}")
+            axes[0].fill_between(sqrt_kl, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+            axes[1].plot(episodes, mean, style, color=color)
+            axes[1].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+        mean, error = curve(beta, "objective/kl")
+        axes[2].plot(episodes, mean, color=color, label=f"beta={beta:g}")
+        axes[2].fill_between(episodes, mean - error, mean + error, color=color, alpha=0.15, lw=0)
+    bon_rows = runs[0][1]
+    for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
+        mean, error = mean_and_standard_error([[row[key] for row in bon] for _, bon in runs])
+        label = f"best-of-n (n <= {bon_rows[-1]['n']}): {key.split('/')[0]}, KL upper bound"
+        axes[0].errorbar([math.sqrt(row["kl_bound"]) for row in bon_rows], mean, yerr=error, fmt=style, ms=4,
+                         color="tab:red", label=label)
+    seeds = f"mean +- SE over {len(runs)} seeds, " if len(runs) > 1 else ""
+    smoothing = f"{seeds}{toy.SMOOTHING_WINDOW}-iteration centred moving average"
+    ylabel = "score (solid: hidden gold, dashed: proxy RM)"
+    axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
+    axes[1].set(xlabel="episodes", ylabel=ylabel, title=f"gold and proxy during PPO\n({smoothing})")
+    axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
 
 
 def show(number, digits=3, sign="+"):
@@ -134,13 +206,13 @@ def main(args):
     print_tables(summary)
     if args.sweep and args.sweep_plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.sweep_plot)), exist_ok=True)
-        toy.plot_sweep([(result["histories"], result["bon"]) for result in results], args.sweep_plot)
+        plot_sweep([(result["histories"], result["bon"]) for result in results], args.sweep_plot)
         print(f"plot: {args.sweep_plot}")
     out = args.out or os.path.join("runs", f"rlhf_seeds__{int(time.time())}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     record = {"command": sys.argv, "seeds": list(args.seeds), "wall_s": time.time() - start, "aggregate": summary,
               "per_seed": [{**{key: value for key, value in result.items() if key != "histories"},
-                            "smoothed_peak": {str(beta): toy.smoothed_peak([history])
+                            "smoothed_peak": {str(beta): smoothed_peak([history])
                                               for beta, history in result["histories"].items()}}
                            for result in results]}
     with open(out + ".tmp", "w") as file:

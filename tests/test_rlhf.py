@@ -199,20 +199,38 @@ def test_gold_reward_rules():
     assert judge("was great and superb") == -1.0  # no EOS
 
 
-def test_mean_standard_error_and_smoothed_peak_on_closed_forms():
-    mean, error = M.mean_and_standard_error([1.0, 2.0, 3.0, 4.0])
+def parabola_history(offset=0.0, spike_at=None):
+    """60 PPO iterations whose gold score peaks at iteration 30, (j - 30)^2 / 100 below it, plus `offset` (and 5.0
+    at `spike_at`: one noisy batch); KL = iteration / 10."""
+    return [{"gold/score": 5.0 if i == spike_at else -((i - 30) ** 2) / 100 + offset, "proxy/score": i / 60,
+             "objective/kl": i / 10, "episode": 16 * i} for i in range(1, 61)]
+
+
+def test_smoothed_peak_of_one_run_on_a_closed_form():
+    # a 5-wide centred average of -(j - 30)^2 / 100 over j = 28..32 is -10 / 5 / 100 at the centre; of j / 10, 3.0
+    peak = M.smoothed_peak(parabola_history())
+    assert peak["iteration"] == 30 and peak["gold/score"] == pytest.approx(-0.02)
+    assert peak["objective/kl"] == pytest.approx(3.0)
+    assert M.smoothed_peak(parabola_history(spike_at=50))["iteration"] == 30  # one noisy batch is not the peak
+
+
+def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
+    mean, error = rlhf_seeds.mean_and_standard_error([1.0, 2.0, 3.0, 4.0])
     assert mean == 2.5 and error == pytest.approx(math.sqrt(5 / 3) / 2)  # std (ddof 1) / sqrt(4)
-    assert M.mean_and_standard_error([[1.0, 2.0]])[1].tolist() == [0.0, 0.0]  # one seed: no error bar
-    # Two seeds of a parabola peaking at iteration 30, offset by -+0.1; KL = iteration / 10. A 9-wide centred
-    # average of (j - 30)^2 / 100 over j = 26..34 is 60 / 9 / 100 at the centre.
-    histories = [[{"gold/score": -((i - 30) ** 2) / 100 + offset, "objective/kl": i / 10} for i in range(1, 61)]
-                 for offset in (-0.1, 0.1)]
-    peak = M.smoothed_peak(histories, window=9)
+    assert rlhf_seeds.mean_and_standard_error([[1.0, 2.0]])[1].tolist() == [0.0, 0.0]  # one seed: no error bar
+    # Two seeds offset by -+0.1. A 9-wide centred average of -(j - 30)^2 / 100 over j = 26..34 is -60 / 9 / 100.
+    histories = [parabola_history(offset) for offset in (-0.1, 0.1)]
+    peak = rlhf_seeds.smoothed_peak(histories, window=9)
     assert peak["iteration"] == 30 and peak["objective/kl"] == pytest.approx(3.0)
     assert peak["gold/score"] == pytest.approx(-60 / 9 / 100) and peak["gold/score se"] == pytest.approx(0.1)
     assert peak["objective/kl se"] == pytest.approx(0.0, abs=1e-12)
-    noisy = [{"gold/score": 5.0 if i == 50 else -((i - 30) ** 2) / 100, "objective/kl": 0.0} for i in range(1, 61)]
-    assert M.smoothed_peak([noisy], window=9)["iteration"] == 30  # one noisy batch does not make the peak
+    # one seed: the toy's own peak (what its sweep prints), with standard errors 0
+    one_seed = rlhf_seeds.smoothed_peak([parabola_history(spike_at=50)])
+    assert one_seed == {**M.smoothed_peak(parabola_history(spike_at=50)), "gold/score se": 0.0, "objective/kl se": 0.0}
+    bon = [{"n": n, "kl_bound": M.best_of_n_kl_bound(n), "gold/score": 0.1 * n, "proxy/score": 0.2 * n} for n in (1, 2)]
+    rlhf_seeds.plot_sweep([({0.0: history, 0.05: history}, bon) for history in histories], "seeds.png")
+    M.plot_sweep({0.0: histories[0], 0.05: histories[1]}, bon, "one_run.png")
+    assert (in_tmp / "seeds.png").stat().st_size > 10000 and (in_tmp / "one_run.png").stat().st_size > 10000
 
 
 # ---------------------------------------------------------------- masks, EOS, the reward model and its data
