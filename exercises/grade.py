@@ -105,7 +105,7 @@ def train_and_judge(module, report):
     except (Exception, SystemExit) as error:
         tail = "\n".join("    " + line for line in output.getvalue().rstrip().splitlines()[-8:])
         raise Failed(f"training raised {type(error).__name__}: {error}\n  last lines of the run:\n{tail}\n"
-                     + "\n".join("  " + line for line in traceback.format_exc(limit=-3).rstrip().splitlines()))
+                     + "\n".join("  " + line for line in grading.explain_error(error).splitlines()))
     finally:
         os.chdir(previous)
         torch.set_num_threads(threads)
@@ -181,6 +181,8 @@ def grade(exercise, paths=None, train=True, out=print, verbose=False, json_path=
             train_and_judge(modules[training_file], out)
         except Failed as failure:
             out("  " + str(failure))
+        except Exception as error:  # the curve is informational: a script whose logs changed still gets its grade
+            out(f"  the learning curve could not be read ({type(error).__name__}: {error}); the grade stands")
     elif train and not passed:
         out("(b) training skipped: fix the failing cases first")
     out(f"{'PASS' if passed else 'FAIL'}: {points:g} / {total:g} points ({time.time() - start:.0f} s)")

@@ -325,7 +325,8 @@ def check_values(function, case, others):
     changed = unchanged(before, tensors)
     if changed:
         problems.append(f"the input(s) {', '.join(changed)} were modified in place.\nhint: a caller "
-                        "still needs them (train logs and reuses them). Build new tensors instead of x += ..., x[i] = ... or "
+                        "still needs them (train logs and reuses them). Build new tensors instead of x += ..., "
+                        "x[i] = ... or "
                         "x.clamp_(...).")
     if problems:
         raise Failed("\n".join(problems))
@@ -362,7 +363,8 @@ def check_float32(function, case):
     wrong = [name for name, item in zip(names, items) if item.dtype != torch.float32]
     if wrong:
         raise Failed(f"float32 inputs gave {', '.join(wrong)} in {items[0].dtype}.\nhint: outputs must have "
-                     "the inputs' dtype (torch.zeros_like(x), dtype=x.dtype; a Python float keeps a tensor's dtype, a numpy "
+                     "the inputs' dtype (torch.zeros_like(x), dtype=x.dtype; a Python float keeps a tensor's "
+                     "dtype, a numpy "
                      "float64 array does not).")
     if not close(numpy_of(items), case.expected, RTOL_32, ATOL_32):
         raise Failed("with float32 inputs the values differ from the float64 answer by more than float32 rounding "

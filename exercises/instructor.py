@@ -97,7 +97,8 @@ def gae_cases():
         ("one episode, no end in the rollout (T=4, N=1)", dict(base, dones=zeros, next_done=np.array([0.0]))),
         ("an episode ends inside the rollout: dones[2] = 1, step 1 was its last step",
          dict(base, dones=inside, next_done=np.array([0.0]))),
-        ("the episode ends at the end of the rollout: next_done = 1", dict(base, dones=zeros, next_done=np.array([1.0]))),
+        ("the episode ends at the end of the rollout: next_done = 1",
+         dict(base, dones=zeros, next_done=np.array([1.0]))),
         ("an episode ends before the last step: dones[3] = 1", dict(base, dones=at_last, next_done=np.array([0.0]))),
         ("lambda = 0: one-step TD errors", dict(base, dones=inside, next_done=np.array([0.0]), gae_lambda=0.0)),
         ("lambda = 1: discounted returns minus V", dict(base, dones=inside, next_done=np.array([1.0]), gae_lambda=1.0)),
@@ -181,7 +182,8 @@ def ppg_aux_loss_cases():
                             beta_clone=1.0), ("aux_value", "value"))]
     for beta in (1.0, 0.3):
         cases.append(make_case("ppg_aux_loss", f"random, M=5 states, 4 actions, beta_clone {beta}",
-                               dict(logits=rng.normal(size=(5, 4)).round(3), old_logits=rng.normal(size=(5, 4)).round(3),
+                               dict(logits=rng.normal(size=(5, 4)).round(3),
+                                    old_logits=rng.normal(size=(5, 4)).round(3),
                                     value=rng.normal(size=5).round(3), aux_value=rng.normal(size=5).round(3),
                                     value_targets=rng.normal(size=5).round(3), beta_clone=beta),
                                ("logits", "aux_value", "value")))
@@ -292,7 +294,8 @@ def hidden_policy_loss(rng, number):
     kind = str(rng.choice(["clip", "kl-penalty"]))
     beta = round(float(rng.uniform(0.1, 3.0)), 3) if kind == "kl-penalty" else None
     return make_case("policy_loss", f"hidden {number}", dict(
-        ratio=np.exp(rng.normal(0, 0.7, M)).round(3), advantages=(float(rng.choice([1, 3])) * rng.normal(size=M)).round(3),
+        ratio=np.exp(rng.normal(0, 0.7, M)).round(3),
+        advantages=(float(rng.choice([1, 3])) * rng.normal(size=M)).round(3),
         kl=np.abs(rng.normal(0, 0.2, M)).round(4), kind=kind, clip_coef=round(float(rng.uniform(0.05, 0.3)), 3),
         kl_beta=beta), ("ratio", "kl") if kind == "kl-penalty" else ("ratio",), hidden=True)
 
@@ -351,7 +354,9 @@ def hidden_bradley_terry(rng, number):
 
 # ---------------------------------------------------------------- PPG's auxiliary phase: a procedure
 def tiny_agent_weights(rng, actions=4, hidden=3):
-    return {"trunk": rng.normal(0, 1, (3, hidden)).round(3), "policy_weight": rng.normal(0, 1, (hidden, actions)).round(3), "policy_bias": rng.normal(0, 0.5, actions).round(3),
+    return {"trunk": rng.normal(0, 1, (3, hidden)).round(3),
+            "policy_weight": rng.normal(0, 1, (hidden, actions)).round(3),
+            "policy_bias": rng.normal(0, 0.5, actions).round(3),
             "aux_weight": rng.normal(0, 1, hidden).round(3), "aux_bias": np.array(0.1),
             "value_hidden": rng.normal(0, 1, (3, hidden)).round(3), "value_weight": rng.normal(0, 1, hidden).round(3),
             "value_bias": np.array(-0.2)}
