@@ -921,8 +921,7 @@ def report_sweep(args, run_dir, histories, finals, bon):
 
 
 # ---------------------------------------------------------------- flag checks, logging, checkpoints
-# Every numeric flag's allowed values, as (flags, test, what the error message says is allowed):
-# validate_args checks them all before anything is allocated; a test tries one bad value for each.
+# Each numeric flag's allowed values as (flags, test, what the error says is allowed); a test tries a bad value of each.
 FLAG_RANGES = [
     (("corpus_size", "d_model", "n_layers", "n_heads", "sft_steps", "rm_epochs", "ppo_iterations",
       "rollout_batch_size", "num_minibatches", "ppo_epochs", "kl_horizon", "eval_samples", "threads"),
@@ -1127,11 +1126,11 @@ def rollout_stats(batch, iteration):
 SMOOTHING_WINDOW = 5
 
 
-def moving_average(values, window=SMOOTHING_WINDOW):
-    """Centred moving average over `window` iterations (all of them if fewer): output j is centred
-    on input j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and peaks use
-    this."""
-    window = min(window, len(values))
+def moving_average(values):
+    """Centred moving average over SMOOTHING_WINDOW iterations (all of them if fewer): output j is
+    centred on input j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and
+    peaks use this."""
+    window = min(SMOOTHING_WINDOW, len(values))
     return np.convolve(values, np.ones(window) / window, mode="valid")
 
 

@@ -50,12 +50,12 @@ def mean_se(values):
     return {"mean": float(mean), "se": float(error)}
 
 
-def smoothed_peak(histories, window=toy.SMOOTHING_WINDOW):
+def smoothed_peak(histories):
     """Where the seed-mean of the smoothed gold curves peaks (toy.smoothed_peak: one run's). `histories`: one PPO
     history per seed (same length). Returns the iteration (1-based, the window's centre), gold and KL there, each
     with its standard error."""
-    window = min(window, len(histories[0]))
-    curves = {key: np.stack([toy.moving_average([record[key] for record in history], window) for history in histories])
+    window = min(toy.SMOOTHING_WINDOW, len(histories[0]))
+    curves = {key: np.stack([toy.moving_average([record[key] for record in history]) for history in histories])
               for key in ("gold/score", "objective/kl")}
     gold, gold_error = mean_and_standard_error(curves["gold/score"])
     peak = int(gold.argmax())

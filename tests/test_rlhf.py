@@ -218,11 +218,11 @@ def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
     mean, error = rlhf_seeds.mean_and_standard_error([1.0, 2.0, 3.0, 4.0])
     assert mean == 2.5 and error == pytest.approx(math.sqrt(5 / 3) / 2)  # std (ddof 1) / sqrt(4)
     assert rlhf_seeds.mean_and_standard_error([[1.0, 2.0]])[1].tolist() == [0.0, 0.0]  # one seed: no error bar
-    # Two seeds offset by -+0.1. A 9-wide centred average of -(j - 30)^2 / 100 over j = 26..34 is -60 / 9 / 100.
+    # Two seeds offset by -+0.1: the seed mean peaks where each does, its standard error is 0.1
     histories = [parabola_history(offset) for offset in (-0.1, 0.1)]
-    peak = rlhf_seeds.smoothed_peak(histories, window=9)
+    peak = rlhf_seeds.smoothed_peak(histories)
     assert peak["iteration"] == 30 and peak["objective/kl"] == pytest.approx(3.0)
-    assert peak["gold/score"] == pytest.approx(-60 / 9 / 100) and peak["gold/score se"] == pytest.approx(0.1)
+    assert peak["gold/score"] == pytest.approx(-0.02) and peak["gold/score se"] == pytest.approx(0.1)
     assert peak["objective/kl se"] == pytest.approx(0.0, abs=1e-12)
     # one seed: the toy's own peak (what its sweep prints), with standard errors 0
     one_seed = rlhf_seeds.smoothed_peak([parabola_history(spike_at=50)])
