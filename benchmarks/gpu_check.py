@@ -92,7 +92,7 @@ class Step:
 # ---- the steps ----
 def bench_command(settings, script, configs, iterations, warmup, output):
     """bench.py over named configurations of one script, its JSON into OUT."""
-    command = [settings.python, "benchmarks/bench.py", "--script", script]
+    command = [settings.python, os.path.join(ROOT, "benchmarks", "bench.py"), "--script", script]
     if settings.tiny:
         command += ["--common", TINY_FLAGS[script]]
         iterations = 2
@@ -125,12 +125,14 @@ def plan(settings):
     def need(seconds):
         return 1 if settings.tiny else seconds
 
-    pytest = [settings.python, "-m", "pytest", "-q", "tests", "-m", "cuda", "-p", "no:cacheprovider"]
+    pytest = [settings.python, "-m", "pytest", "-q", os.path.join(ROOT, "tests"), "-m", "cuda",
+              "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # the lent machine has it: the three compile tests at once
         pytest += ["-n", "4"]
     ppo = [("defaults", ""), ("amp", "--amp"), ("compile", "--compile")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
-    preflight = [settings.python, "benchmarks/gpu_preflight.py", "--json", os.path.join(settings.work, "preflight.json")]
+    preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
+                 os.path.join(settings.work, "preflight.json")]
     return [
         Step("preflight", need(20), 60, preflight),
         Step("cuda-tests", need(60), 150, pytest),
@@ -151,7 +153,7 @@ def skip_reason(step, settings, done, selected):
         return "not selected (--steps)"
     preflight = done.get("preflight")
     cuda_only = settings.tiny and preflight is not None and preflight.get("exit_code") == 2
-    if preflight is not None and preflight["status"] != "ok" and not cuda_only:
+    if preflight is not None and preflight["status"] not in ("ok", "skipped") and not cuda_only:
         return f"the preflight failed: {preflight.get('missing')}"
     if step.name == "results" and done.get("learning", {}).get("status", "skipped") == "skipped":
         return "no learning runs"
@@ -208,9 +210,10 @@ def start(command, cwd, stdout):
                             start_new_session=True, env=environment)
 
 
-def run_process(command, timeout_s, settings, cwd=ROOT):
-    """Its output goes line by line to ours (the log); returns the step's status, exit code and last lines."""
-    process = start(command, cwd, subprocess.PIPE)
+def run_process(command, timeout_s, settings):
+    """In the work folder (runs/ lands there), its output line by line to ours (the log); returns the step's status,
+    exit code and last lines."""
+    process = start(command, settings.work, subprocess.PIPE)
     tail = collections.deque(maxlen=TAIL_LINES)
     reader = threading.Thread(target=echo_lines, args=(process.stdout, tail), daemon=True)
     reader.start()
@@ -227,8 +230,11 @@ def failing_command(settings):
 
 
 # ---- what each step adds to summary.json ----
-def read_json(path):
+def read_json(path, settings):
+    """A JSON this check wrote (None for one it did not write, or one older than the check: an earlier run's)."""
     try:
+        if os.path.getmtime(path) < settings.started:
+            return None
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError):
@@ -236,7 +242,7 @@ def read_json(path):
 
 
 def preflight_numbers(step, settings, entry):
-    report = read_json(os.path.join(settings.work, "preflight.json"))
+    report = read_json(os.path.join(settings.work, "preflight.json"), settings)
     if report is None:  # it did not get as far as its report: its last line says why
         return {"missing": (entry["output_tail"].splitlines() or ["no report"])[-1]}
     return {"missing": report["status"], "report": report}
@@ -253,7 +259,7 @@ def pytest_numbers(step, settings, entry):
 
 def bench_numbers(step, settings, entry):
     """Per configuration the figures worth reading at a glance (the rest is in the step's JSON)."""
-    saved = read_json(os.path.join(settings.out, step.output))
+    saved = read_json(os.path.join(settings.out, step.output), settings)
     if saved is None:
         return {"results": None}
     keys = ("config", "sps_median", "sps_overall", "sps_policy_phase", "aux_phase_s", "aux_phase_warmup_s",
@@ -285,7 +291,7 @@ def learning_steps(settings, timeout_s):
     defaults, over the time left after start-up and evaluations (60 s), with a fifth to spare."""
     if settings.tiny:
         return 32
-    saved = read_json(os.path.join(settings.out, "ppo.json")) or {"results": []}
+    saved = read_json(os.path.join(settings.out, "ppo.json"), settings) or {"results": []}
     speeds = [r["sps_overall"] for r in saved["results"] if r["config"] == "defaults" and "error" not in r]
     if not speeds:
         return LEARN_STEPS_WITHOUT_SPEED
@@ -329,15 +335,17 @@ def run_learning(step, timeout_s, settings, inject):
 def run_results(step, timeout_s, settings, inject):
     """results.py on the learning runs (figure and aggregate.md into OUT), then its on-track lines."""
     learn = os.path.join(settings.work, "learn")
-    figures = [settings.python, "benchmarks/results.py", os.path.join(learn, "runs"), "--out",
-               os.path.join(learn, "results")]
+    results_py = os.path.join(ROOT, "benchmarks", "results.py")
+    figures = [settings.python, results_py, os.path.join(learn, "runs"), "--out", os.path.join(learn, "results")]
+    if settings.tiny:  # fewer bootstrap resamples than the 50,000 of rliable's default
+        figures += ["--reps", "2000"]
     end = time.time() + timeout_s
     entry = run_process(failing_command(settings) if inject else figures, timeout_s, settings)
     for path in glob.glob(os.path.join(learn, "results", "*_easy.png"))[:1] + \
             glob.glob(os.path.join(learn, "results", "aggregate.md")):
         shutil.copy(path, settings.out)
     if entry["status"] == "ok":
-        on_track = [settings.python, "benchmarks/results.py", os.path.join(learn, "runs"), "--on-track"]
+        on_track = [settings.python, results_py, os.path.join(learn, "runs"), "--on-track"]
         tracked = run_process(on_track, max(end - time.time(), 1), settings)
         entry["on_track"] = tracked["output_tail"].splitlines()
         entry["status"] = tracked["status"]
