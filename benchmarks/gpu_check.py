@@ -1,35 +1,44 @@
-"""The GPU check's steps, run by `bash benchmarks/gpu_bench.sh` once it has put in place what the machine lacks.
+"""The GPU check's steps, run by `bash benchmarks/gpu_bench.sh` once it has put in place what the
+machine lacks.
 
-The steps come in the order of their value, so that a run cut short still returns the most important numbers. Before
-each one the deadline is checked: it starts only if the time it needs is left before DEADLINE (less a reserve for the
-last step's clean stop and the packing), and runs under its own budget, cut to the time left: past it, SIGTERM to its
-process group (the scripts stop at their next clean point), then SIGKILL. A failed step is recorded and the next one
-runs; summary.json is rewritten after every step.
+The steps come in the order of their value, so that a run cut short still returns the most
+important numbers. Before each one the deadline is checked: it starts only if the time it needs is
+left before DEADLINE (less a reserve for the last step's clean stop and the packing), and runs under
+its own budget, cut to the time left: past it, SIGTERM to its process group (the scripts stop at
+their next clean point), then SIGKILL. A failed step is recorded and the next one runs;
+summary.json is rewritten after every step.
 
-  step          need  budget  (seconds)
-  preflight       20      60  versions, imports, one Procgen step, one CUDA op (benchmarks/gpu_preflight.py); if it
-                              fails nothing else runs (the CPU dry run lets a missing CUDA through)
-  cuda-tests      60     150  pytest -m cuda: the tests that skip without a GPU (4 at a time where pytest-xdist is)
-  ppo-speed       60     200  bench.py: PPO at its defaults, with --amp, with --compile, each alone -> ppo.json
-  ppg-speed       45      90  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3 auxiliary phases, the
-                              first one (cold) in the warm-up; policy and auxiliary phase apart -> ppg.json
-  impala-speed    40      80  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its default: acting and
-                              learning overlap) -> impala.json
-  nccl            30      60  torchrun with one rank: PPO's data-parallel path over NCCL, 2 iterations, a checkpoint
-  learning       150    rest  PPO and PPG on StarPilot at their defaults, side by side, sized to the time left
-  results         20      45  results.py on the learning runs: the figure, aggregate.md, the on-track lines
+  step          need  budget (s)
+  preflight       20      60  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
+                              if it fails nothing else runs (the CPU dry run lets no CUDA through)
+  cuda-tests      60     150  pytest -m cuda: the tests that skip without a GPU (4 at a time
+                              where pytest-xdist is)
+  ppo-speed       60     200  bench.py: PPO at its defaults, with --amp, with --compile, each
+                              alone -> ppo.json
+  ppg-speed       45      90  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
+                              auxiliary phases, the first (cold) in the warm-up; the policy and
+                              the auxiliary phase apart -> ppg.json
+  impala-speed    40      80  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
+                              default: acting and learning overlap) -> impala.json
+  nccl            30      60  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
+                              and a checkpoint
+  learning       150    rest  PPO and PPG on StarPilot at their defaults, side by side, sized to
+                              the time left less the results step's budget
+  results         20      45  results.py on the learning runs: figure, aggregate.md, on-track lines
 
-Files in OUT, 8 at most: gpu_bench.log (gpu_bench.sh writes it), summary.json, ppo.json, ppg.json, impala.json,
-learning.tar.gz (the learning runs' metrics.jsonl, args.json and console logs, results.py's outputs), and
-starpilot_easy.png and aggregate.md from results.py. bench.py records compile time apart from the steady state:
-`warmup_s` of the compile configuration against the defaults'.
+Files in OUT, 8 at most: gpu_bench.log (gpu_bench.sh writes it), summary.json, ppo.json, ppg.json,
+impala.json, learning.tar.gz (the learning runs' metrics.jsonl, args.json and console logs,
+results.py's outputs), starpilot_easy.png and aggregate.md. Compile time is recorded apart from the
+steady state: bench.py's `warmup_s` of the compile configuration against the defaults'.
 
-  python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b] [--fail-step NAME] [--dry-run]
+  python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b]
+      [--fail-step NAME] [--dry-run]
 
---tiny is the CPU dry run of tests/test_gpu_check.py: every command at tiny flags, every need 1 s but learning's.
---steps runs only the named steps (the others are recorded as not selected); --fail-step replaces a step's command by
-one that fails, to check that the failure is reported and the next step still runs. Only the standard library is
-imported, so that this runs, and reports, whatever the machine lacks.
+--tiny is the CPU dry run of tests/test_gpu_check.py: every command at tiny flags, every need 1 s
+but learning's. --steps runs only the named steps (the others are recorded as not selected);
+--fail-step replaces a step's command by one that fails, to check that the failure is reported and
+the next step still runs. Only the standard library is imported, so that this runs, and reports,
+whatever the machine lacks.
 """
 import argparse
 import collections
@@ -52,6 +61,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEARNING_NEED_S = 150  # shorter learning runs say nothing: below this much time left, no learning step
+RESULTS_BUDGET_S = 45  # results.py after the learning runs: the learning step leaves it this much
 TAIL_LINES = 30  # of a step's output, kept in summary.json when it fails
 PPO_ITERATION = 64 * 256  # environment steps per iteration at the defaults (PPO and PPG)
 LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when ppo.json has no speed at the defaults to size the runs by
@@ -84,9 +94,10 @@ class Settings:
 class Step:
     name: str
     need_s: float  # the least time left in which it starts
-    budget_s: float  # its timeout, cut to the time left; None: all that is left
+    budget_s: float  # its timeout, cut to the time left; None: all that is left but `leave_s`
     command: list = None  # the process that is the step; None: a function of its own (learning, results)
     output: str = None  # the JSON it writes into OUT (bench.py's), read into summary.json
+    leave_s: float = 0  # with budget_s None: the seconds left to the steps after it
 
 
 # ---- the steps ----
@@ -136,14 +147,15 @@ def plan(settings):
     return [
         Step("preflight", need(20), 60, preflight),
         Step("cuda-tests", need(60), 150, pytest),
-        Step("ppo-speed", need(60), 200, bench_command(settings, "ppo_procgen.py", ppo, 5, 3, "ppo.json"), "ppo.json"),
+        Step("ppo-speed", need(60), 200, bench_command(settings, "ppo_procgen.py", ppo, 5, 3, "ppo.json"),
+             "ppo.json"),
         Step("ppg-speed", need(45), 90, bench_command(settings, "ppg_procgen.py", [("n_pi_2", "--n-pi 2")], 4, 3,
                                                        "ppg.json"), "ppg.json"),
         Step("impala-speed", need(40), 80, bench_command(settings, "vtrace.py", impala, 4, 2, "impala.json"),
              "impala.json"),
         Step("nccl", need(30), 60, nccl_command(settings)),
-        Step("learning", LEARNING_NEED_S, None),
-        Step("results", need(20), 45),
+        Step("learning", LEARNING_NEED_S, None, leave_s=RESULTS_BUDGET_S),
+        Step("results", need(20), RESULTS_BUDGET_S),
     ]
 
 
@@ -179,9 +191,10 @@ def signal_group(process, signum):
 
 
 def wait_or_stop(processes, timeout_s, grace_s):
-    """Waits for all processes; past timeout_s, SIGTERM to the process groups of those still running (the scripts
-    then stop at their next clean point, with a checkpoint), grace_s later SIGKILL. Afterwards whatever the steps
-    left behind in their groups (compile workers, a rank) is killed. Returns the indices of those that were stopped."""
+    """Waits for all processes; past timeout_s, SIGTERM to the process groups of those still
+    running (the scripts then stop at their next clean point, with a checkpoint), grace_s later
+    SIGKILL. Afterwards whatever the steps left behind in their groups (compile workers, a rank) is
+    killed. Returns the indices of those that were stopped."""
     end = time.time() + timeout_s
     for process in processes:
         try:
@@ -211,8 +224,8 @@ def start(command, cwd, stdout):
 
 
 def run_process(command, timeout_s, settings):
-    """In the work folder (runs/ lands there), its output line by line to ours (the log); returns the step's status,
-    exit code and last lines."""
+    """In the work folder (runs/ lands there), its output line by line to ours (the log); returns
+    the step's status, exit code and last lines."""
     process = start(command, settings.work, subprocess.PIPE)
     tail = collections.deque(maxlen=TAIL_LINES)
     reader = threading.Thread(target=echo_lines, args=(process.stdout, tail), daemon=True)
@@ -231,7 +244,8 @@ def failing_command(settings):
 
 # ---- what each step adds to summary.json ----
 def read_json(path, settings):
-    """A JSON this check wrote (None for one it did not write, or one older than the check: an earlier run's)."""
+    """A JSON this check wrote (None for one it did not write, or one older than the check: an
+    earlier run's)."""
     try:
         if os.path.getmtime(path) < settings.started:
             return None
@@ -287,8 +301,9 @@ def run_command_step(step, timeout_s, settings, inject):
 
 # ---- learning and results ----
 def learning_steps(settings, timeout_s):
-    """Steps per run: two runs share the GPU and the cores, so each is given half the speed PPO measured at the
-    defaults, over the time left after start-up and evaluations (60 s), with a fifth to spare."""
+    """Steps per run: two runs share the GPU and the cores, so each is given half the speed PPO
+    measured at the defaults, over the time left after start-up and evaluations (60 s), with a fifth
+    to spare."""
     if settings.tiny:
         return 32
     saved = read_json(os.path.join(settings.out, "ppo.json"), settings) or {"results": []}
@@ -359,7 +374,8 @@ RUNNERS = {"learning": run_learning, "results": run_results}
 
 
 def pack_learning_runs(settings):
-    """The learning runs' metrics, flags and console logs and results.py's outputs, as one file in OUT."""
+    """The learning runs' metrics, flags and console logs and results.py's outputs, as one file in
+    OUT."""
     learn = os.path.join(settings.work, "learn")
     if not os.path.isdir(learn):
         return
@@ -392,7 +408,7 @@ def run_check(settings, steps, selected, fail_step, linked):
             print(f"== {step.name}: skipped: {reason}", flush=True)
         else:
             left = settings.left()
-            timeout_s = left if step.budget_s is None else min(step.budget_s, left)
+            timeout_s = left - step.leave_s if step.budget_s is None else min(step.budget_s, left)
             entry["timeout_s"] = round(timeout_s)
             print(f"== {step.name}: up to {timeout_s:.0f} s ({left:.0f} s left before the deadline)", flush=True)
             begin = time.time()
@@ -413,7 +429,8 @@ def run_check(settings, steps, selected, fail_step, linked):
 
 
 def listing(steps, settings):
-    """DRY_RUN: each step's command, paths relative to the repository (tests/test_speed.py parses the flags)."""
+    """DRY_RUN: each step's command, paths relative to the repository (tests/test_speed.py parses
+    the flags)."""
     def relative(word):
         return os.path.relpath(word, ROOT) if os.path.isabs(word) and word.startswith(ROOT) else word
 
@@ -433,7 +450,8 @@ def main(argv=None):
     parser.add_argument("--work", default=None, help="a private folder for everything else (default: a new one)")
     parser.add_argument("--deadline", type=float, default=float(os.environ.get("DEADLINE", 540)),
                         help="seconds for the whole check, from --started (default: $DEADLINE or 540)")
-    parser.add_argument("--started", type=float, default=None, help="when the check started (Unix time; default: now)")
+    parser.add_argument("--started", type=float, default=None,
+                        help="when the check started (Unix time; default: now)")
     parser.add_argument("--tiny", action="store_true", default=bool(os.environ.get("GPU_CHECK_TINY")),
                         help="the CPU dry run: tiny flags, 1 s needs (default: $GPU_CHECK_TINY)")
     parser.add_argument("--steps", default=os.environ.get("GPU_CHECK_STEPS", ""),

@@ -1,16 +1,17 @@
-"""The GPU check's first step (benchmarks/gpu_check.py): in seconds, whether everything the later steps need is there,
-or one line naming what is missing.
+"""The GPU check's first step (benchmarks/gpu_check.py): in seconds, whether everything the later
+steps need is there, or one line naming what is missing.
 
   python benchmarks/gpu_preflight.py [--json PATH]
 
-Prints the versions of Python, glibc, torch, CUDA, cuDNN, the GPU's driver and every package the scripts and the check
-import; imports the three Procgen scripts; plays one step of two Procgen games through the scripts' own adapter
-(procgen's bundled Qt loads libGL, libglib-2.0 and the X11 libraries, which benchmarks/gpu_wheels.sh carries for a
-machine without them); runs one matrix product and one convolution on the GPU against the CPU's. The last line is
-`preflight: ok` or `preflight: missing: <what>`. Exit status 0: everything is there; 1: a package, a library or the
-Procgen step is missing, so no later step can run; 2: only CUDA is missing (the steps would run on the CPU, as in the
-CPU dry run of tests/test_gpu_check.py). --json writes the same as JSON. Only the standard library is imported at the
-top, so that a missing package is reported, not raised.
+Prints the versions of Python, glibc, torch, CUDA, cuDNN, the GPU's driver and every package the
+scripts and the check import; imports the three Procgen scripts; plays one step of two Procgen games
+through the scripts' own adapter (procgen's bundled Qt loads libGL, libglib-2.0 and the X11
+libraries, which benchmarks/gpu_wheels.sh carries for a machine without them); runs one matrix
+product and one convolution on the GPU against the CPU's. The last line is `preflight: ok` or
+`preflight: missing: <what>`. Exit status 0: everything is there; 1: a package, a library or the
+Procgen step is missing, so no later step can run; 2: only CUDA is missing (the steps would run on
+the CPU, as in the CPU dry run of tests/test_gpu_check.py). --json writes the same as JSON. Only the
+standard library is imported at the top, so that a missing package is reported, not raised.
 """
 import argparse
 import contextlib
@@ -27,17 +28,19 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (module, distribution): everything the scripts, bench.py, results.py and the CUDA tests import, procgen's own needs
-# (gym3 imports imageio at its import, procgen's builder filelock, gymnasium cloudpickle) included.
-REQUIRED = [("numpy", "numpy"), ("torch", "torch"), ("typing_extensions", "typing_extensions"), ("tyro", "tyro"),
-            ("docstring_parser", "docstring-parser"), ("typeguard", "typeguard"), ("gymnasium", "gymnasium"),
-            ("cloudpickle", "cloudpickle"), ("gym", "gym"), ("cffi", "cffi"), ("imageio", "imageio"),
-            ("filelock", "filelock"), ("gym3", "gym3"), ("procgen", "procgen-mirror"), ("matplotlib", "matplotlib"),
-            ("tensorboard", "tensorboard"), ("pytest", "pytest")]
-# Used only by flags the check never sets (videos, Weights & Biases) or to run the CUDA tests in parallel.
+# (module, distribution): everything the scripts, bench.py, results.py and the CUDA tests import,
+# procgen's own needs (gym3 imports imageio at its import, procgen's builder filelock, gymnasium
+# cloudpickle) included.
+REQUIRED = [("numpy", "numpy"), ("torch", "torch"), ("typing_extensions", "typing_extensions"),
+            ("tyro", "tyro"), ("docstring_parser", "docstring-parser"), ("typeguard", "typeguard"),
+            ("gymnasium", "gymnasium"), ("cloudpickle", "cloudpickle"), ("gym", "gym"), ("cffi", "cffi"),
+            ("imageio", "imageio"), ("filelock", "filelock"), ("gym3", "gym3"),
+            ("procgen", "procgen-mirror"), ("matplotlib", "matplotlib"), ("tensorboard", "tensorboard"),
+            ("pytest", "pytest")]
+# Used only by flags the check never sets (videos, Weights & Biases), or to run tests in parallel.
 OPTIONAL = [("av", "av"), ("wandb", "wandb"), ("xdist", "pytest-xdist")]
-MINIMUM_VERSIONS = {"typing_extensions": (4, 13)}  # tyro 1.0.17 needs it; an older one imports but fails later
-BUNDLED_LIBRARIES_GLIBC = (2, 34)  # the newest glibc symbol the Debian 12 libraries of gpu_wheels.sh need
+MINIMUM_VERSIONS = {"typing_extensions": (4, 13)}  # tyro 1.0.17's; older ones import, fail later
+BUNDLED_LIBRARIES_GLIBC = (2, 34)  # the newest glibc symbol gpu_wheels.sh's libraries need
 
 
 def version_tuple(text):
@@ -57,8 +60,8 @@ def distribution_version(name):
 
 
 def check_imports(report):
-    """Imports every required package (procgen's import loads its C++ games and, through them, Qt's system
-    libraries); of the optional ones only the versions (wandb alone takes seconds to import)."""
+    """Imports every required package (procgen's import loads its C++ games and, through them,
+    Qt's system libraries); of the optional ones only the versions (wandb takes seconds)."""
     for _, distribution in OPTIONAL:
         report["packages"][distribution] = distribution_version(distribution)
     for module, distribution in REQUIRED:
@@ -90,14 +93,16 @@ def check_procgen_step(report):
         frames, rewards, terminated, _, _ = envs.step(np.zeros(2, dtype=np.int64))
         envs.close()
         if frames.shape != (2, 64, 64, 3) or frames.dtype != np.uint8:
-            raise RuntimeError(f"frames of shape {frames.shape} and dtype {frames.dtype}, not (2, 64, 64, 3) uint8")
+            raise RuntimeError(f"frames of shape {frames.shape} and dtype {frames.dtype}, "
+                               "not (2, 64, 64, 3) uint8")
         report["procgen_step"] = "ok"
     except Exception as error:  # noqa: BLE001
         report["missing"].append(f"a Procgen step: {one_line(error)}")
 
 
 def nvidia_smi():
-    """The driver's version, the GPU's name and memory, from nvidia-smi (None where it is absent)."""
+    """The driver's version, the GPU's name and memory, from nvidia-smi (None where it is
+    absent)."""
     try:
         answer = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total",
                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
@@ -116,7 +121,8 @@ def check_cuda(report):
     report["torch"] = torch.__version__
     report["cuda"] = torch.version.cuda
     if not torch.cuda.is_available():
-        report["cuda_missing"] = f"CUDA: torch {torch.__version__} sees no GPU (torch.cuda.is_available() is False)"
+        report["cuda_missing"] = (f"CUDA: torch {torch.__version__} sees no GPU "
+                                  "(torch.cuda.is_available() is False)")
         return
     try:
         report["gpu"] = torch.cuda.get_device_name(0)
@@ -133,18 +139,20 @@ def check_cuda(report):
         for name, (on_cpu, on_gpu) in checks.items():
             error = (on_gpu - on_cpu).abs().max() / on_cpu.abs().max()  # TF32 convolutions: about 1e-3
             if not error < 1e-2:
-                raise RuntimeError(f"a {name} on the GPU differs from the CPU's by {error:.2g} of its largest value")
+                raise RuntimeError(f"a {name} on the GPU differs from the CPU's by {error:.2g} "
+                                   "of its largest value")
         report["cuda_op"] = "ok"
     except Exception as error:  # noqa: BLE001
         report["cuda_missing"] = f"CUDA: {one_line(error)}"
 
 
 def check_machine(report):
-    """What is not a package: glibc for the carried libraries, a C compiler for torch.compile (Triton builds its
-    launchers with one), the driver."""
+    """What is not a package: glibc for the carried libraries, a C compiler for torch.compile
+    (Triton builds its launchers with one), the driver."""
     glibc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
     report["glibc"] = glibc
-    report["libraries_linked"] = os.environ.get("GPU_CHECK_LINKED", "").split()  # by gpu_bench.sh, from .whl/lib
+    # The carried libraries gpu_bench.sh put on LD_LIBRARY_PATH (from .whl/lib)
+    report["libraries_linked"] = os.environ.get("GPU_CHECK_LINKED", "").split()
     if glibc and report["libraries_linked"] and version_tuple(glibc) < BUNDLED_LIBRARIES_GLIBC:
         report["warnings"].append(f"{glibc}: the carried Debian 12 libraries need glibc >= 2.34")
     if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
