@@ -398,7 +398,9 @@ def write_summary(settings, summary):
 def run_check(settings, steps, selected, fail_step, linked):
     summary = {"started": datetime.datetime.fromtimestamp(settings.started, datetime.timezone.utc).isoformat(),
                "deadline_s": settings.deadline_s, "tiny": settings.tiny, "python": settings.python,
-               "libraries_linked": linked.split(), "steps": []}
+               "libraries_linked": linked.split(), "steps": [],
+               "plan": [{"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s} for step in steps]}
+    write_summary(settings, summary)  # from the start: a kill during the first step still leaves the plan
     done = {}
     for step in steps:
         entry = {"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s}
