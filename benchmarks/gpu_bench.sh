@@ -48,6 +48,7 @@ link_missing_libraries() {  # of the carried system libraries, those the machine
     [ -d "$wheels/lib" ] || return 0
     mkdir -p "$work/lib"
     for path in "$wheels"/lib/*.so*; do
+        [ -e "$path" ] || continue
         name=$(basename "$path")
         machine_has "$name" && continue
         ln -s "$(realpath "$path")" "$work/lib/$name"

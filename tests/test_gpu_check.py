@@ -151,3 +151,16 @@ def test_every_step_command_parses_at_tiny_and_at_real_flags():
                 parsed.append(script)
         assert len(parsed) == 3 + 1 + 2 + 1 + 1, listing
         assert ("--env-id bigfish" in listing) == bool(tiny)
+
+
+def test_only_the_carried_libraries_the_machine_lacks_go_on_the_library_path(tmp_path):
+    """gpu_bench.sh links a carried library into its private folder only where the loader finds none (libc.so.6 is
+    on every machine; the other name on none)."""
+    (tmp_path / "wheels" / "lib").mkdir(parents=True)
+    for name in ("libc.so.6", "libgpucheck_absent.so.1"):
+        (tmp_path / "wheels" / "lib" / name).write_bytes(b"")
+    _, summary, files, log = gpu_bench(tmp_path, WHEELS=str(tmp_path / "wheels"), GPU_CHECK_STEPS="results")
+    assert summary["libraries_linked"] == ["libgpucheck_absent.so.1"]
+    assert "the machine lacks, on LD_LIBRARY_PATH: libgpucheck_absent.so.1\n" in log
+    assert [step["status"] for step in summary["steps"]] == ["skipped"] * len(ORDER)
+    assert files == ["gpu_bench.log", "summary.json"]
