@@ -28,7 +28,8 @@ from exercises.texts import EXERCISES
 
 RTOL, ATOL = 1e-5, 1e-6  # float64 inputs: a correct answer agrees to ~1e-12; float32 work inside still passes
 RTOL_32, ATOL_32 = 1e-3, 1e-4  # the float32 contract case
-CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES_DIR = os.path.join(HERE, "cases")
 OUTPUT_NAMES = {"ppg_aux_loss": ["loss", "aux_value_loss", "kl", "true_value_loss"],
                 "from_importance_weights": ["vs", "pg_advantages"]}
 
@@ -122,14 +123,17 @@ class Result:
 
 def report_lines(results, verbose=True):
     lines = []
+    previous = None
     for result in results:
         mark = "ok  " if result.passed else "FAIL"
-        label = "hidden case" if result.hidden and not result.passed else result.item
         if result.passed and not verbose:
             continue
-        lines.append(f"  {mark} {result.points:g}/{result.max_points:g}  {label}")
-        if result.message:
+        lines.append(f"  {mark} {result.points:g}/{result.max_points:g}  {result.item}")
+        if result.message and result.message == previous:
+            lines.append("        (the same error as above)")
+        elif result.message:
             lines.append(textwrap.indent(result.message.rstrip(), "        "))
+        previous = result.message or previous
     return lines
 
 
@@ -212,14 +216,18 @@ ERROR_HINTS = [
 
 
 def explain_error(error):
-    """The student's exception as a short report: where, what, and what it usually means."""
-    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-3)
-    lines = ["".join(frames).rstrip()]
+    """The student's exception as a short report: the student's own frames (not torch's, not the grader's), the
+    error, and what it usually means. With a hint, torch's own advice (e.g. retain_graph=True) is cut off."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if "site-packages" not in frame.filename and os.path.dirname(frame.filename) != HERE]
+    lines = ["".join(traceback.format_list(frames[-3:])).rstrip()] if frames else []
     text = f"{type(error).__name__}: {error}"
-    for pattern, hint in ERROR_HINTS:
-        if re.search(pattern, text):
-            lines.append(f"hint: {hint}")
-            break
+    hint = next((hint for pattern, hint in ERROR_HINTS if re.search(pattern, text)), None)
+    if hint is not None:
+        text = text.split(". ", 1)[0].split("\n", 1)[0]
+    lines.append(text)
+    if hint is not None:
+        lines.append(f"hint: {hint}")
     return "\n".join(lines)
 
 
