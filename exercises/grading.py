@@ -16,8 +16,10 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
 
@@ -34,8 +36,35 @@ OUTPUT_NAMES = {"ppg_aux_loss": ["loss", "aux_value_loss", "kl", "true_value_los
                 "from_importance_weights": ["vs", "pg_advantages"]}
 
 
+CASE_SECONDS = 30  # a function that never returns costs a submission this much, once per function
+
+
 class Failed(Exception):
     """A check failed; the message is for the student."""
+
+
+class OutOfTime(BaseException):
+    """A student's function ran past CASE_SECONDS (a BaseException, so that its own `except Exception` cannot
+    swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise OutOfTime in the main thread after `seconds` (elsewhere, or without SIGALRM, no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise OutOfTime()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---------------------------------------------------------------- loading a script
@@ -449,11 +478,24 @@ def run_cases(module, cases, where=""):
         results = []
         cases = list(cases) + contract_cases(cases)
         answers = {}
+        out_of_time = set()
         for case in cases:
-            if case.function not in answers and case.kind == "values" and hasattr(module, case.function):
-                answers[case.function] = student_outputs(getattr(module, case.function),
-                                                         [c for c in cases if c.function == case.function])
-            results.append(run_case(module, case, answers.get(case.function, []), where))
+            label = f"{case.function}{where}: {case.name}"
+            if case.function in out_of_time:
+                results.append(Result(label, 0.0, case.points, f"not run: {case.function} ran past "
+                                      f"{CASE_SECONDS} s on an earlier case", case.hidden))
+                continue
+            try:
+                with time_limit(CASE_SECONDS):
+                    if case.function not in answers and case.kind == "values" and hasattr(module, case.function):
+                        answers[case.function] = student_outputs(getattr(module, case.function),
+                                                                 [c for c in cases if c.function == case.function])
+                    results.append(run_case(module, case, answers.get(case.function, []), where))
+            except OutOfTime:
+                out_of_time.add(case.function)
+                results.append(Result(label, 0.0, case.points, f"{case.function} ran past {CASE_SECONDS} s on "
+                                      "this tiny case: an endless loop (a while loop whose index never moves?)",
+                                      case.hidden))
         return results
     finally:
         torch.set_num_threads(threads)
@@ -464,6 +506,15 @@ def copies_agree(function_name, modules, cases):
     copy would hide a wrong copy otherwise). Returns a Result worth one point."""
     names = list(modules)
     label = f"{function_name}: the copies in {' and '.join(names)} agree"
+    try:
+        with time_limit(CASE_SECONDS):
+            return compare_copies(function_name, modules, cases, label)
+    except OutOfTime:
+        return Result(label, 0.0, 1.0, f"not compared: a copy ran past {CASE_SECONDS} s")
+
+
+def compare_copies(function_name, modules, cases, label):
+    names = list(modules)
     for case in cases:
         if case.kind != "values":
             continue

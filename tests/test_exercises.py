@@ -741,3 +741,13 @@ def test_the_silent_bug_check_fails_on_the_bug_and_passes_on_the_fix(tmp_path):
     assert not silent_bugs.check("entropy-sign", path, lines.append)
     assert "does not train as the reference does" in lines[-1] and "losses/" in lines[-1]
     assert silent_bugs.check("entropy-sign", os.path.join(ROOT, "vtrace.py"), lines.append)
+
+
+def test_a_function_that_never_returns_costs_its_cases_not_the_grade(monkeypatch):
+    monkeypatch.setattr(grading, "CASE_SECONDS", 0.5)
+    endless = GAE.replace("    T = rewards.shape[0]\n", "    T = rewards.shape[0]\n    while T:\n        pass\n")
+    results = grade.check_modules("gae", {"ppo_procgen.py": with_functions("gae", endless)})
+    gae = [r for r in results if r.item.startswith("compute_gae")]
+    assert not any(r.passed for r in gae) and "ran past 0.5 s" in gae[0].message
+    assert all("not run" in r.message for r in gae[1:])
+    assert all(r.passed for r in results if not r.item.startswith("compute_gae"))  # the other functions still run
