@@ -100,7 +100,7 @@ class Case:
     mistakes: list = dataclasses.field(default_factory=list)  # [{"name", "hint", "outputs"}]
     points: float = 1.0
     hidden: bool = False
-    kind: str = "values"  # "values", "float32" (the dtype contract), "cuda", "phase"
+    kind: str = "values"  # "values", "float32" (the dtype contract), "meta" and "cuda" (the device's), "phase"
 
 
 def encode(value):
@@ -234,8 +234,8 @@ ERROR_HINTS = [
      "operations on the input tensors."),
     (r"expected (scalar type|m1 and m2 to have the same dtype)|found dtype|dtype", "tensors of different dtypes "
      "meet: create new tensors with the inputs' dtype (torch.zeros_like(x), or dtype=x.dtype)."),
-    (r"same device|Expected all tensors to be on the same device", "tensors on different devices meet: create new "
-     "tensors on the inputs' device (torch.zeros_like(x), or device=x.device)."),
+    (r"same device|is not on the expected device|Cannot copy out of meta", "tensors on different devices meet: "
+     "create new tensors on the inputs' device (torch.zeros_like(x), or device=x.device)."),
     (r"must match the size of tensor|shape .* is invalid|size mismatch|cannot be broadcast", "the shapes do not "
      "match: check each tensor's shape against the docstring ([T, N] per step, [N] for the state after the "
      "rollout)."),
@@ -408,6 +408,38 @@ def check_float32(function, case):
                      f"(rtol {RTOL_32}):\n" + first_difference(numpy_of(items), case.expected, names))
 
 
+DEVICE_ERRORS = r"is not on the expected device|Cannot copy out of meta|same device|Expected all tensors to be on"
+
+
+def check_meta(function, case):
+    """The device contract without a GPU: inputs on PyTorch's 'meta' device (shapes and dtypes, no values), which
+    mixes with CPU tensors as CUDA does (0-dim CPU scalars allowed, anything else an error). Outputs must be there
+    too. An operation the meta device cannot run gives no verdict (the CUDA case, with a GPU, decides)."""
+    names = OUTPUT_NAMES.get(case.function, ["output"])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = function(**as_tensors(case.inputs, device="meta"))
+    except NotImplementedError as error:
+        if re.search(DEVICE_ERRORS, str(error)):
+            raise Failed(f"{case.function} mixes devices: its inputs were on another device than the CPU "
+                         f"('meta'):\n{explain_error(error)}")
+        if "Exercise" in str(error):
+            raise Failed(f"{case.function} is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                         + exercise_text(error))
+        return
+    except Exception as error:
+        if re.search(DEVICE_ERRORS, str(error)):
+            raise Failed(f"{case.function} mixes devices: its inputs were on another device than the CPU "
+                         f"('meta'):\n{explain_error(error)}")
+        return
+    items = outputs_of(case.function, result)
+    wrong = [name for name, item in zip(names, items) if item.device.type != "meta"]
+    if wrong:
+        raise Failed(f"inputs on another device ('meta') gave {', '.join(wrong)} on {items[0].device}.\nhint: "
+                     "outputs must be on the inputs' device (torch.zeros_like(x), or device=x.device; never a bare "
+                     "torch.zeros(shape) or torch.tensor(list)).")
+
+
 def check_cuda(function, case):
     names = OUTPUT_NAMES.get(case.function, ["output"])
     items = call(function, case.function, as_tensors(case.inputs, device="cuda"))
@@ -447,6 +479,8 @@ def run_case(module, case, others, where=""):
                 check_float32(function, case)
             elif case.kind == "cuda":
                 check_cuda(function, case)
+            elif case.kind == "meta":
+                check_meta(function, case)
             else:
                 check_values(function, case, others)
     except Failed as failure:
@@ -464,6 +498,8 @@ def contract_cases(cases):
             continue
         extra.append(dataclasses.replace(case, name="float32 inputs give float32 outputs", kind="float32",
                                          mistakes=[], grads={}))
+        extra.append(dataclasses.replace(case, name="inputs on another device give outputs there (the 'meta' "
+                                         "device: shapes, no values)", kind="meta", mistakes=[], grads={}))
         if torch.cuda.is_available():
             extra.append(dataclasses.replace(case, name="CUDA inputs give CUDA outputs", kind="cuda", mistakes=[],
                                              grads={}))

@@ -61,10 +61,13 @@ GAE_MUTANTS = {
     "returns instead of advantages": [("return advantages", "return advantages + values")],
     "gae: float32 output on float64 input": [("advantages = torch.zeros_like(rewards)",
                                               "advantages = torch.zeros(rewards.shape)")],
+    "gae: a new tensor on the CPU": [("advantages = torch.zeros_like(rewards)",
+                                      "advantages = torch.zeros(rewards.shape, dtype=rewards.dtype)")],
     "gae: an input overwritten": [("        advantages[t] = running", "        advantages[t] = running\n"
                                    "        values[t] = running + values[t]")],
 }
-GAE_HINT = {"gae: float32 output on float64 input": None, "gae: an input overwritten": None}
+GAE_HINT = {"gae: float32 output on float64 input": None, "gae: an input overwritten": None,
+            "gae: a new tensor on the CPU": None}
 
 
 # ---------------------------------------------------------------- 2. PPO's objective
@@ -228,6 +231,7 @@ MESSAGE = {  # mistakes told by the message, not by a hint
     "float32 output on float64 input": "float64 inputs gave loss in torch.float32",
     "gae: float32 output on float64 input": "float64 inputs gave output in torch.float32",
     "gae: an input overwritten": "the input(s) values were modified in place",
+    "gae: a new tensor on the CPU": "create new tensors on the inputs' device",
     "python min on tensors": "use the elementwise torch.minimum",
     "the score index a float": "use mask.sum(1).long() - 1",
     "the KL overwritten in place": "the input(s) kl were modified in place",
