@@ -408,7 +408,21 @@ def check_float32(function, case):
                      f"(rtol {RTOL_32}):\n" + first_difference(numpy_of(items), case.expected, names))
 
 
-DEVICE_ERRORS = r"is not on the expected device|Cannot copy out of meta|same device|Expected all tensors to be on"
+DEVICE_ERRORS = r"is not on the expected device|same device|Expected all tensors to be on"
+SETITEM = re.compile(r"\]\s*([-+*/]|//)?=[^=]")  # buffer[t] = value: a value copied into a tensor made elsewhere
+
+
+def mixes_devices(error):
+    """True when the error says that the student's function put a tensor on another device than its inputs': a
+    CPU tensor met a non-scalar input, or an input's value was copied into a CPU buffer. `.cpu()`, `.tolist()` or
+    `.item()` on an input also fail on 'meta' but work on CUDA: no verdict."""
+    if re.search(DEVICE_ERRORS, str(error)):
+        return True
+    if "Cannot copy out of meta" not in str(error):
+        return False
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if "site-packages" not in frame.filename and os.path.dirname(frame.filename) != HERE]
+    return bool(frames) and bool(SETITEM.search(frames[-1].line or ""))
 
 
 def check_meta(function, case):
@@ -419,18 +433,14 @@ def check_meta(function, case):
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             result = function(**as_tensors(case.inputs, device="meta"))
-    except NotImplementedError as error:
-        if re.search(DEVICE_ERRORS, str(error)):
+    except Exception as error:
+        if mixes_devices(error):
             raise Failed(f"{case.function} mixes devices: its inputs were on another device than the CPU "
-                         f"('meta'):\n{explain_error(error)}")
-        if "Exercise" in str(error):
+                         f"('meta'):\n{explain_error(error)}\nhint: create new tensors on the inputs' device "
+                         "(torch.zeros_like(x), or device=x.device).")
+        if isinstance(error, NotImplementedError) and "Exercise" in str(error):
             raise Failed(f"{case.function} is still a blank (it raises NotImplementedError). The exercise:\n\n"
                          + exercise_text(error))
-        return
-    except Exception as error:
-        if re.search(DEVICE_ERRORS, str(error)):
-            raise Failed(f"{case.function} mixes devices: its inputs were on another device than the CPU "
-                         f"('meta'):\n{explain_error(error)}")
         return
     items = outputs_of(case.function, result)
     wrong = [name for name, item in zip(names, items) if item.device.type != "meta"]

@@ -5,6 +5,7 @@ included, passes for every exercise."""
 import ast
 import csv
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -23,7 +24,9 @@ def with_functions(exercise, *sources, script=None):
     """A fresh copy of the exercise's script with the given function sources put in place of its own."""
     module = grade.load_script(os.path.join(ROOT, script or SCRIPT_OF[exercise]))
     for source in sources:
-        exec(source, module.__dict__)  # noqa: S102 - the mutants below
+        name = f"<solution {abs(hash(source))}>"
+        linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)  # tracebacks show lines
+        exec(compile(source, name, "exec"), module.__dict__)  # noqa: S102 - the mutants below
     return module
 
 
@@ -414,12 +417,20 @@ def per_token_rewards(kl, scores, mask, beta):
 def bradley_terry_loss(r_chosen, r_rejected):
     return F.softplus(r_rejected - r_chosen).mean()
 ''']
+HARMLESS_TOLIST = '''
+def per_token_rewards(kl, scores, mask, beta):
+    rewards = -beta * kl * mask
+    for row, length in enumerate(mask.sum(1).long().tolist()):
+        rewards[row, length - 1] = rewards[row, length - 1] + scores[row]
+    return rewards
+'''
 HARMLESS = {"gae, vectorised deltas and a stacked list": ("gae", [HARMLESS_GAE]),
             "ppo losses with torch.minimum, F.mse_loss and tensor clamp bounds": ("ppo_loss", HARMLESS_PPO),
             "ppg with F.kl_div and a phase over index splits": ("ppg_aux", HARMLESS_PPG),
             "v-trace written into a zeros_like buffer": ("vtrace", [HARMLESS_VTRACE]),
             "rlhf with one_hot and softplus": ("rlhf", HARMLESS_RLHF),
-            "ppg's phase with the repository's loss": ("ppg_aux", [HARMLESS_PPG[1]])}
+            "ppg's phase with the repository's loss": ("ppg_aux", [HARMLESS_PPG[1]]),
+            "rlhf with lengths as a Python list (.tolist())": ("rlhf", [HARMLESS_TOLIST, BT])}
 
 
 def mutant_cases():
