@@ -25,8 +25,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: imported later (torch.optim does on first use) it would keep
-# group.WORLD and gloo's threads alive past destroy_process_group, which can abort the exit.
+# Now, before any process group: imported later (by torch.optim) gloo's threads may abort the exit.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -157,13 +156,11 @@ def make_env(args, num_envs):
                       -args.reward_clip, args.reward_clip)
 
 
-
 class NormalizeReward(gym.vector.VectorWrapper):
     """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
     (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
-    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
-    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
-    are `return_rms` (mean, var, count), as checkpoints keep them."""
+    updates the statistics `return_rms`, and G restarts after an episode's last step, so G_T keeps
+    the episode's history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T)."""
 
     def __init__(self, env, gamma, epsilon=1e-8):
         super().__init__(env)
@@ -183,7 +180,6 @@ class NormalizeReward(gym.vector.VectorWrapper):
         reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
         self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
         return obs, reward, terminated, truncated, info
-
 
 
 def normed_(layer, scale):
@@ -346,9 +342,8 @@ def minibatches(batch_size, args, device):
 
 
 def clip_grad_norms(optimizer, max_grad_norm):
-    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one
-    group; PPG: one per network, so that the value network's gradient cannot shrink the policy's
-    step). Returns the norms before."""
+    """Clip the gradient norm of each parameter group on its own (PPO: one group; PPG: one per
+    network: the value network's gradient cannot shrink the policy's step). Returns the norms before."""
     return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
 
 
@@ -357,8 +352,6 @@ def explained_variance(returns, values):
     _, residual_std = global_moments(returns - values)
     _, returns_std = global_moments(returns)
     return (1 - (residual_std / returns_std) ** 2).item()
-
-
 
 
 def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
@@ -374,8 +367,7 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     stats = {}
     steps_taken = 0  # minibatch steps over all epochs so far: a KL early stop ends the update early
     for epoch in range(max(epochs_pi, epochs_v)):
-        epoch_kl = 0.0
-        epoch_approx_kl = 0.0  # this epoch's, for --target-kl
+        epoch_kl = epoch_approx_kl = 0.0  # this epoch's sums, for "kl" and for --target-kl
         for minibatch in minibatches(batch_size, args, batch["obs"].device):
             with autocast():
                 logits, new_value = agent(batch["obs"][minibatch])
@@ -428,11 +420,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
 
 
 def train(args):
-    args, checkpoint, rank, world_size, device = start_run(args)  # the flags (a resumed run's own), torchrun
+    args, checkpoint, rank, world_size, device = start_run(args)  # the flags, torchrun
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
     run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
-    local_envs = args.num_envs // world_size  # this rank's games; --num-envs and every step count are global
+    local_envs = args.num_envs // world_size  # this rank's; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
@@ -460,7 +452,7 @@ def train(args):
     global_step = (start_iteration - 1) * batch_size
     start = (time.time(), global_step)  # SPS and the ETA count this process's steps
     recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
-    with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:  # a signal stops at an iteration's end
+    with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
         try:
             for iteration in range(start_iteration, num_iterations + 1):
                 if args.anneal_lr:  # linearly to 0 over the run
@@ -468,8 +460,7 @@ def train(args):
 
                 # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
                 episode_returns, episode_lengths = [], []
-                rollout_start = time.perf_counter()
-                env_seconds = 0.0
+                rollout_start, env_seconds = time.perf_counter(), 0.0  # the rollout's, the games' share
                 for step in range(args.num_steps):
                     global_step += args.num_envs
                     obs[step] = next_obs
@@ -486,8 +477,7 @@ def train(args):
                     frames, reward, terminated, truncated, info = envs.step(action_cpu)
                     env_seconds += time.perf_counter() - env_start
                     rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
-                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32)
-                    next_done = next_done.to(device, non_blocking=True)
+                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
                     next_obs = frames_to_device(frames)
                     if "_episode" in info:  # every episode that ended here, not only the first
                         episode_returns += info["episode"]["r"][info["_episode"]].tolist()
@@ -551,8 +541,8 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-
-def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step, recent_returns):
+def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
+                     recent_returns):
     """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
     --capture-video and, with --on-track, sets the last 100 training episodes (`recent_returns`)
     against the anchors' runs at this step."""
@@ -566,8 +556,8 @@ def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, ite
     score = normalized_score(args.env_id, args.distribution_mode, eval_return)
     logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
                 "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
-    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-          + (f", normalized score {score:.3f}" if score is not None else "")
+    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
+          "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
           + (f", video {video}" if video else ""))
     training_return = mean_or_none(recent_returns)
     if args.on_track and args.num_levels == 0 and rank == 0 and training_return is not None:
@@ -594,8 +584,8 @@ def on_track_line(args, global_step, training_return):
 def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
     """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
     process group are closed. Returns the run's directory."""
-    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, checkpoint["iteration"],
-                     checkpoint["global_step"], recent_returns=())
+    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
+                     checkpoint["iteration"], checkpoint["global_step"], recent_returns=())
     close_run(envs, logger)
     return run_dir
 
@@ -623,12 +613,12 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
             frames.append(obs[0])
     envs.close()
     if video_path:
-        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # to 256x256
     return returns.tolist()
 
 
 def write_video(path, frames, fps=15):
-    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    import imageio.v3 as iio  # via PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old)
     iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
     os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
 
@@ -648,7 +638,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
     def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
             from procgen import ProcgenGym3Env
         self._make = functools.partial(  # the games, once reset gives their seed
             ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
@@ -661,7 +651,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed if none is given
         if self.env is not None:
             self.env.close()
         if seed is None:
@@ -680,9 +670,9 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
-
 class FramesToDevice:
-    """The games' frames onto the device; on CUDA through a pinned staging buffer, copied asynchronously."""
+    """The games' frames onto the device; on CUDA through a pinned staging buffer, copied
+    asynchronously."""
 
     def __init__(self, num_envs, device):
         self.device = device
@@ -695,11 +685,11 @@ class FramesToDevice:
         return self.staging.copy_(torch.from_numpy(frames)).to(self.device, non_blocking=True)
 
 
-
 def start_run(args):
-    """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its checkpoint's
-    flags (only RUNTIME_FLAGS from the command line), and those are checked; then torchrun's process
-    group, this rank's device and seeds. Returns (args, checkpoint or None, rank, world_size, device)."""
+    """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its
+    checkpoint's flags (only RUNTIME_FLAGS from the command line), and those are checked; then
+    torchrun's process group, this rank's device and seeds. Returns (args, checkpoint or None,
+    rank, world_size, device)."""
     require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
     for flag in ("checkpoint", "resume"):
         path = getattr(args, flag)
@@ -708,23 +698,24 @@ def start_run(args):
     if args.resume or args.eval_only:
         checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
     check_args(args)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's reward statistics and RNGs are its own
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's statistics, RNGs: its own
     saved_ranks = len(checkpoint["ranks"]) if args.resume else world_size
-    require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: resume it "
-            f"with as many (torchrun --nproc-per-node {saved_ranks})")
+    require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: "
+            f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
     rank, world_size, device = setup_distributed(args)
     # Each rank its own actions and minibatches (and its own levels).
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cudnn.benchmark = not args.torch_deterministic  # autotuned kernels: faster, not reproducible
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
     return args, checkpoint, rank, world_size, device
 
 
 def open_run(args, checkpoint, rank):
     """The run's directory (a resumed run's own; else a new one that no other run shares, where an
-    unwritable runs/ stops the run before anything big) and its log. Returns (run_name, run_dir, logger)."""
+    unwritable runs/ stops the run before anything big) and its log. Returns (run_name, run_dir,
+    logger)."""
     if args.resume:
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
@@ -759,7 +750,6 @@ def create_run_dir(base_name, rank):
     return outcome[0], os.path.join("runs", outcome[0])
 
 
-
 def count_iterations(args, steps_per_iteration, device):
     """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps, with a note
     where that trains fewer steps, and the CPU note for a long run on a CPU."""
@@ -788,13 +778,14 @@ def setup_distributed(args):
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
     if args.cuda and not use_cuda:  # rank 0's line: the others' stdout is gone
-        print("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is False); running on "
-              "the CPU")
+        print("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is "
+              "False); running on the CPU")
     return rank, int(os.environ.get("WORLD_SIZE", 1)), device
 
 
 def all_reduce_mean(tensor):
-    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one
+    process."""
     if dist.is_initialized():
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
@@ -831,7 +822,6 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
-
 def thread_split(args, device):
     """In the rollout the games step while the network waits and vice versa, so procgen's and
     torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
@@ -839,43 +829,34 @@ def thread_split(args, device):
     faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
     thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # one machine's ranks share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
     return env_threads, torch_threads
 
 
-
 class StopOnSignal:
-    """Around the training loop. The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and
-    torchrun send before they kill a job) is only recorded: at an iteration's end every rank learns
-    of it alike (`requested`), saves a checkpoint and exits with 128 + the signal's number (`exit`),
-    so a checkpoint never holds half an update. A second signal stops at once, with one line naming
-    the last checkpoint, exit 128 + its number; under torchrun a process gets one Ctrl-C twice (from
-    the terminal and forwarded by torchrun), so a repeat within 2 s counts once. Leaving closes
-    `closing` (the games, the log) and the process group, further signals ignored: closing is short
-    and must not be cut off half done. Keeps where the last checkpoint is, for those lines."""
+    """A first Ctrl-C or SIGTERM (sent before a kill by SLURM, torchrun, ...) is only recorded: at an
+    iteration's end all ranks learn of it (`requested`), save and `exit`. A second one (not torchrun's
+    copy within 2 s) stops at once, in one line. Leaving closes `closing`, signals ignored."""
 
     def __init__(self, args, checkpoint, device, closing):
-        self.device = device
-        self.closing = closing
-        self.signals = []
-        self.first_time = None
-        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None  # (iteration, path)
-        self.previous = {}
+        self.device, self.closing = device, closing
+        self.signals, self.first_time = [], None
+        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None
 
     def handler(self, signum, frame):
-        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy of the same Ctrl-C
+        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy
             return
         self.signals.append(signum)
         if len(self.signals) > 1:
             raise KeyboardInterrupt  # `__exit__` ends the run with one line
         self.first_time = time.perf_counter()
-        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
-              "signal stops at once)", flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a "
+              "checkpoint (a second signal stops at once)", flush=True)
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {number: signal.signal(number, self.handler) for number in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, kind, error, traceback):
@@ -883,46 +864,36 @@ class StopOnSignal:
             signal.signal(signum, signal.SIG_IGN)
         try:
             if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
-                signum = self.signals[-1] if self.signals else signal.SIGINT
-                print(f"\nstopped at once by a second {signal.Signals(signum).name}: {self.last_saved()}", flush=True)
-                raise SystemExit(128 + signum)
+                name = signal.Signals(self.signals[-1]).name
+                print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+                raise SystemExit(128 + self.signals[-1])
         finally:
             close_run(*self.closing)
             for signum, handler in self.previous.items():
                 signal.signal(signum, handler)
 
     def requested(self):
-        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
-        stop: one all-reduce of a scalar under torchrun; nothing (no host sync) in one process."""
-        if not dist.is_initialized():
-            return bool(self.signals)
         caught = torch.tensor(float(bool(self.signals)), device=self.device)
-        return bool(all_reduce_mean(caught) > 0)
+        return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
 
-    def save(self, path, state, final=False):
-        """`save_checkpoint`: a failed write costs one line and the run goes on, to retry at its next
-        save; where the `final` one fails, the run fails (exit 1)."""
-        if save_checkpoint(path, state):
+    def save(self, path, state, final):
+        if save_checkpoint(path, state):  # else one line; retried at the next save
             self.last_checkpoint = (state["iteration"], path)
         else:
             require(not final, f"the final checkpoint could not be written (see above); {self.last_saved()}")
 
     def exit(self, iteration):
-        """A signal's stop after `iteration`, saved just before (or not): one line, exit 128 + its number."""
         signum = self.signals[0] if self.signals else signal.SIGTERM  # another rank caught it
-        name = signal.Signals(signum).name
+        outcome = f"iteration {iteration} could not be saved; {self.last_saved()}"
         if self.last_checkpoint is not None and self.last_checkpoint[0] == iteration:
-            print(f"interrupted by {name}: saved iteration {iteration} to {self.last_checkpoint[1]}; continue with "
-                  "--resume", flush=True)
-        else:
-            print(f"interrupted by {name}: iteration {iteration} could not be saved; {self.last_saved()}", flush=True)
+            outcome = f"saved iteration {iteration} to {self.last_checkpoint[1]}; continue with --resume"
+        print(f"interrupted by {signal.Signals(signum).name}: {outcome}", flush=True)
         raise SystemExit(128 + signum)
 
     def last_saved(self):
         if self.last_checkpoint is None:
             return "no checkpoint of this run was saved"
-        iteration, path = self.last_checkpoint
-        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
+        return "the last checkpoint is iteration %d in %s (continue with --resume)" % self.last_checkpoint
 
 
 def close_run(*closing):
@@ -938,9 +909,9 @@ def exit_nonfinite(error, path, state, last_saved):
     NaN in them, to `path`; then one line, exit 1."""
     if not save_checkpoint(path, state):
         raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); {last_saved}")
-    raise SystemExit(f"error: {error} after iteration {state['iteration']}; the weights before that step are "
-                     f"saved in {path} (evaluate them with --eval-only --checkpoint; a new run with a lower "
-                     "--learning-rate may avoid it: --resume keeps the checkpoint's flags)")
+    raise SystemExit(f"error: {error} after iteration {state['iteration']}; the weights before that "
+                     f"step are saved in {path} (evaluate them with --eval-only --checkpoint; a new "
+                     "run with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
 
 
 class Logger:
@@ -954,15 +925,10 @@ class Logger:
             return
         os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        purge_step = None
-        if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a crash may leave half a line
-            kept = [row for row in rows if row["iteration"] <= resume_iteration]
-            with open(path, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in kept)
-            purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
+        purge_step = None  # TensorBoard hides the events from this step on
+        if resume_iteration is not None and os.path.exists(path):
+            purge_step = drop_rows_after(path, resume_iteration)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # its flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
@@ -986,20 +952,13 @@ class Logger:
                 raise OSError(f"wrote {written} of {len(line)} bytes")
         except OSError as error:
             self.file.truncate(length)
-            reason = error.strerror or error
-            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
-                  "the run goes on", file=sys.stderr, flush=True)
+            print(f"warning: could not write a row to {self.file.name} ({error.strerror or error}); it is left "
+                  "out, the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
-        if video:  # TensorBoard shows a video as an animated GIF; torch's add_video would need moviepy
-            import imageio.v3 as iio
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
-            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
-            image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
-            self.tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]),
-                                                     row["global_step"])
+        if video:
+            add_video_as_gif(self.tensorboard, video, row["global_step"])
         self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
@@ -1015,12 +974,33 @@ class Logger:
             self.wandb.finish()
 
 
-def log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
-                  episode_lengths, recent_returns, losses, times):
+def drop_rows_after(path, iteration):
+    """A resumed run's metrics.jsonl without the rows of iterations after its checkpoint (or half a
+    line a crash left); returns the first global step to hide in TensorBoard (its purge_step)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    kept = [row for row in rows if row["iteration"] <= iteration]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+    return max((row["global_step"] for row in kept), default=-1) + 1
+
+
+def add_video_as_gif(tensorboard, video, step):
+    """TensorBoard shows a video as an animated GIF (torch's add_video would need moviepy)."""
+    import imageio.v3 as iio
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
+    gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
+    image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
+    tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]), step)
+
+
+def log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer,
+                  episode_returns, episode_lengths, recent_returns, losses, times):
     """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's episodes
-    (added to `recent_returns`, the last 100), the `losses` (means over the ranks), the seconds of the
-    iteration's parts (`times`); SPS and the ETA count from `start`, the (time, global step) where
-    this process began training."""
+    (added to `recent_returns`, the last 100), the `losses` (means over the ranks), the seconds of
+    the iteration's parts (`times`); SPS and the ETA count from `start`, the (time, global step)
+    where this process began training."""
     episode_returns = gather(episode_returns)  # every rank's episodes count
     episode_lengths = gather(episode_lengths)
     recent_returns.extend(episode_returns)
@@ -1030,34 +1010,37 @@ def log_iteration(logger, device, iteration, num_iterations, global_step, start,
     if device.type == "cuda":
         gpu_memory = torch.cuda.max_memory_allocated() / 2**30
     logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
-                "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/episodes": len(episode_returns),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/episodes": len(episode_returns),
                 "charts/episodic_return": mean_or_none(episode_returns),
                 "charts/episodic_length": mean_or_none(episode_lengths),
                 "charts/episodic_return_last100": mean_or_none(recent_returns),
                 **{f"losses/{key}": value for key, value in losses.items()},
-                **{f"time/{key}": seconds for key, seconds in times.items()}, "perf/gpu_memory_gb": gpu_memory})
-    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # every iteration as many steps
+                **{f"time/{key}": seconds for key, seconds in times.items()},
+                "perf/gpu_memory_gb": gpu_memory})
+    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # steps per iteration
     timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in times.items())
     returns = "-"
     if episode_returns:
         returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
-    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | ETA {eta:.1f} "
-          f"min | return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f} ent "
-          f"{losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
+    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
+          f"ETA {eta:.1f} min | return {returns} | pg {losses['policy_loss']:.3f} v "
+          f"{losses['value_loss']:.3f} ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}",
+          flush=True)
 
 
 def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
 
 
-
 def checkpoint_state(args, run_name, iteration, agent, optimizer, normalizer, kl_beta):
-    """All that --resume continues from after `iteration`, in one dict of tensors and plain data (what
-    torch.load(weights_only=True) reads): the weights, the optimizer, kl-penalty's beta, the flags and
-    every rank's own reward statistics and RNG states (`rank_state`: a collective, every rank calls it)."""
+    """All that --resume continues from after `iteration`, in one dict of tensors and plain data
+    (what torch.load(weights_only=True) reads): the weights, the optimizer, kl-penalty's beta, the
+    flags and every rank's own reward statistics and RNG states (a collective: all ranks call it)."""
+    ranks = gather([rank_state(reward_statistics(normalizer))])
     return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
-            "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta, "args": asdict(args),
-            "run_name": run_name, "ranks": gather([rank_state(reward_statistics(normalizer))])}
+            "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta,
+            "args": asdict(args), "run_name": run_name, "ranks": ranks}
 
 
 def restore(checkpoint, args, rank, agent, optimizers, normalizer):
@@ -1170,7 +1153,8 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means
+    unset."""
     for flag in (*positive, *non_negative, *fractions):
         value = getattr(args, flag)
         name = "--" + flag.replace("_", "-")
