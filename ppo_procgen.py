@@ -864,9 +864,10 @@ class StopOnSignal:
             signal.signal(signum, signal.SIG_IGN)
         try:
             if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
-                name = signal.Signals(self.signals[-1]).name
+                signum = (self.signals or [signal.SIGINT])[-1]
+                name = signal.Signals(signum).name
                 print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
-                raise SystemExit(128 + self.signals[-1])
+                raise SystemExit(128 + signum)
         finally:
             close_run(*self.closing)
             for signum, handler in self.previous.items():
