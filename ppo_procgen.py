@@ -420,11 +420,11 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
 
 
 def train(args):
-    args, checkpoint, rank, world_size, device = start_run(args)  # the flags, torchrun
+    args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
     run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
-    local_envs = args.num_envs // world_size  # this rank's; --num-envs is global
+    local_envs = args.num_envs // world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
