@@ -452,7 +452,7 @@ def train(args):
     global_step = (start_iteration - 1) * batch_size
     start = (time.time(), global_step)  # SPS and the ETA count this process's steps
     recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
-    # A signal stops the run at the end of an iteration, with a checkpoint; leaving closes the games.
+    # A signal stops the run at the end of an iteration, with a checkpoint; leaving closes the games
     with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
         try:
             for iteration in range(start_iteration, num_iterations + 1):
