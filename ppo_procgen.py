@@ -672,8 +672,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
 
 class FramesToDevice:
-    """The games' frames onto the device; on CUDA through a pinned staging buffer, copied
-    asynchronously."""
+    """The games' frames onto the device; on CUDA via a pinned staging buffer, asynchronously."""
 
     def __init__(self, num_envs, device):
         self.device = device
@@ -714,9 +713,8 @@ def start_run(args):
 
 
 def open_run(args, checkpoint, rank):
-    """The run's directory (a resumed run's own; else a new one that no other run shares, where an
-    unwritable runs/ stops the run before anything big) and its log. Returns (run_name, run_dir,
-    logger)."""
+    """The run's directory (a resumed run's own, else a new one no other run shares; an unwritable
+    runs/ stops here, before anything big) and its log. Returns (run_name, run_dir, logger)."""
     if args.resume:
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
