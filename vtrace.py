@@ -636,10 +636,11 @@ def train(args):
                     # A signal stops here, all ranks after the same update (after the last one: at the
                     # iteration's end, with its row); the checkpoint keeps the iteration's record so far.
                     if update < args.updates_per_iteration - 1 and stop.requested():
-                        actor.close()
-                        state = checkpoint_state(args, run_name, iteration - 1, global_step + (update + 1) * steps_per_update,
-                                                 agent, optimizer, reward_rms, version,
-                                                 (lags, stats, episode_returns, episode_lengths))
+                        actor.close()  # it plays no further while the checkpoint is written
+                        record = (lags, stats, episode_returns, episode_lengths)
+                        steps_trained = global_step + (update + 1) * steps_per_update
+                        state = checkpoint_state(args, run_name, iteration - 1, steps_trained, agent, optimizer,
+                                                 reward_rms, version, record)
                         stop.save(checkpoint_path, state, final=False)
                         stop.exit(iteration - 1)
                 global_step += steps_per_iteration
@@ -654,9 +655,10 @@ def train(args):
                                      recent_returns)
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
                 if stopping:
-                    actor.close()  # before the checkpoint, as inside an iteration
+                    actor.close()  # it plays no further while the checkpoint is written
                 if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                    state = checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms, version)
+                    state = checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms,
+                                             version)
                     stop.save(checkpoint_path, state, final=iteration == num_iterations)
                 if stopping:
                     stop.exit(iteration)
