@@ -1386,7 +1386,7 @@ def actor_learner_threads(args, device):
     learner split the cores for torch (measured on the 2-core machine with other jobs running: with 2
     threads the actor's forward passes ran 9-27x slower and the learner's updates 1.2-1.5x slower than
     with 1); procgen gets one thread. On GPU procgen gets the cores and torch one thread for its
-    bookkeeping. Returns (env_threads, torch_threads), as `thread_split` does for PPO."""
+    bookkeeping. Returns (env_threads, torch_threads), as ppo_procgen.py's `thread_split`."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
