@@ -51,7 +51,7 @@ class Args:
     num_minibatches: int = 8
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
-    """N_pi: policy iterations per phase before an auxiliary one (phases from iteration 1: any --save-every)"""
+    """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1)"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
     e_v: int = 1
@@ -515,8 +515,8 @@ def train(args):
     optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
-    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer,
-                                                              "aux_optimizer": aux_optimizer}, envs.env)
+    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer, "aux_optimizer": aux_optimizer},
+                              envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
     forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
     if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
@@ -542,8 +542,8 @@ def train(args):
     with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
         try:
             for iteration in range(start_iteration, num_iterations + 1):
-                if args.anneal_lr:  # linearly to 0 over the run, in both phases
-                    for group in optimizer.param_groups + aux_optimizer.param_groups:
+                if args.anneal_lr:  # linearly to 0 over the run
+                    for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
                         group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
 
                 # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
@@ -593,28 +593,26 @@ def train(args):
                          "update": time.perf_counter() - update_start}
                 log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
                               episode_lengths, recent_returns, stats, times)
-                if args.e_aux:  # "Add all (s_t, V_targ_t) to B", in the iteration's place in its phase
+                if args.e_aux:  # "Add all (s_t, V_targ_t) to B", in the iteration's place
                     aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
                     aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
-                # Every N_pi iterations the auxiliary phase on B; none after the last (the PPG code's loop ends)
-                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
-                    kept = min(args.n_pi, iteration - start_iteration + 1)  # resumed in a phase: B since then
+                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:  # not after the last: PPG code
+                    kept = min(args.n_pi, iteration - start_iteration + 1)  # resumed: B since then
                     policy_phase_start = auxiliary_phase_and_log(
-                        forward_aux, aux_optimizer, aux_obs[-kept:], aux_value_targets[-kept:], args, device,
-                        autocast, stop.requested, logger, iteration, global_step, policy_phase_start)
+                        forward_aux, aux_optimizer, aux_obs[-kept:], aux_value_targets[-kept:], args, device, autocast,
+                        stop.requested, logger, iteration, global_step, policy_phase_start)
                 if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                     evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
                                      recent_returns)
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
                 if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                    state = checkpoint_state(args, run_name, iteration, agent, optimizer, aux_optimizer,
-                                             envs.env, kl_beta)
+                    state = checkpoint_state(args, run_name, iteration, agent, optimizer, aux_optimizer, envs.env,
+                                             kl_beta)
                     stop.save(os.path.join(run_dir, "checkpoint.pt"), state, final=iteration == num_iterations)
                 if stopping:
                     stop.exit(iteration)
         except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
-            state = checkpoint_state(args, run_name, trained, agent, optimizer, aux_optimizer, envs.env,
-                                     kl_beta)
+            state = checkpoint_state(args, run_name, trained, agent, optimizer, aux_optimizer, envs.env, kl_beta)
             exit_nonfinite(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
     return run_dir
 
@@ -934,17 +932,15 @@ def thread_split(args, device):
 
 
 def prepare_phases(args, device, world_size):
-    """Before the run's directory exists (a refusal leaves nothing behind): a note where the run
-    ends inside a phase, and the buffer B where it fits (`aux_buffer_device`): each rank's frames
-    and V_targ of a phase's whole rollouts, [N_pi, games, T, ...]. (None, None) without phases."""
+    """Before the run's directory (a refusal leaves nothing behind): a note where the run ends
+    in a phase; B where it fits (`aux_buffer_device`), [N_pi, games, T, ...], or (None, None)."""
     if not args.e_aux or args.eval_only:
         return None, None
     leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
     if leftover:
         print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
     where = aux_buffer_device(args, device, world_size)
-    games = args.num_envs // world_size
-    aux_obs = torch.empty((args.n_pi, games, args.num_steps, 64, 64, 3), dtype=torch.uint8, **where)
+    aux_obs = torch.empty((args.n_pi, args.num_envs // world_size, args.num_steps, 64, 64, 3), dtype=torch.uint8, **where)
     return aux_obs, torch.empty(aux_obs.shape[:3], **where)
 
 
@@ -958,9 +954,9 @@ def aux_buffer_device(args, device, world_size):
     needed = 2 ** math.ceil(math.log2(needed)) if pinned else needed
     free = available_memory(where)
     require(needed <= 0.8 * free, f"the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per "
-            f"rank (--n-pi {args.n_pi} x --num-envs {args.num_envs} / {world_size} ranks x --num-steps "
-            f"{args.num_steps} frames) but only {free / 2**30:.1f} GiB of {where.type} memory is free "
-            "per rank; lower --n-pi or --num-envs, or set --aux-buffer")
+            f"rank (--n-pi {args.n_pi} x --num-envs {args.num_envs} / {world_size} ranks x "
+            f"--num-steps {args.num_steps} frames) but only {free / 2**30:.1f} GiB of {where.type} "
+            "memory is free per rank; lower --n-pi or --num-envs, or set --aux-buffer")
     return {"device": where, "pin_memory": pinned}
 
 
@@ -993,12 +989,11 @@ def aux_rollouts_per_rank(args, world_size=None):
     return max(1, args.num_envs // world_size // 16)
 
 
-def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targets, args, device,
-                            autocast, stop_requested, logger, iteration, global_step, policy_phase_start):
-    """`auxiliary_phase` on B's rollouts (aux_obs [iterations, games, T, ...]), which a signal ends
-    after the current minibatch or pi_old chunk (all ranks ask `stop_requested` at one point); then
-    its row (the losses, time/policy_phase: the seconds since `policy_phase_start`, time/aux_phase)
-    and a console line. Returns when it ended: the next policy phase's start."""
+def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targets, args, device, autocast,
+                            stop_requested, logger, iteration, global_step, policy_phase_start):
+    """`auxiliary_phase` on B (aux_obs [iterations, games, T, ...]), ended by a signal after the
+    current minibatch or pi_old chunk (`stop_requested`, all ranks alike); then its row (losses,
+    time/policy_phase since `policy_phase_start`, time/aux_phase) and a line. Returns its end."""
     start = time.time()
     stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs.flatten(0, 1), aux_value_targets.flatten(0, 1),
                             args, device, autocast, stop_requested=stop_requested)
@@ -1006,8 +1001,8 @@ def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targe
     logger.log({"global_step": global_step, "iteration": iteration, **stats,
                 **{f"time/{key}": value for key, value in seconds.items()}})
     losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
-    timers = f"policy phase {seconds['policy_phase']:.1f}s, aux phase {seconds['aux_phase']:.1f}s"
-    print(f"aux phase: {timers} | {losses}", flush=True)
+    print(f"aux phase: policy phase {seconds['policy_phase']:.1f}s, aux phase {seconds['aux_phase']:.1f}s | {losses}",
+          flush=True)
     return time.time()
 
 
@@ -1354,8 +1349,7 @@ def check_args(args):
                  non_negative=("seed", "num_levels", "start_level", "env_threads", "torch_threads", "eval_every",
                                "ent_coef", "vf_coef", "kl_beta"),
                  fractions=("gamma", "gae_lambda", "reward_norm_gamma"))
-    check_ranges(args, positive=("n_pi", "num_aux_rollouts", "n_aux_grad_accum"),
-                 non_negative=("e_aux", "beta_clone"))
+    check_ranges(args, positive=("n_pi", "num_aux_rollouts", "n_aux_grad_accum"), non_negative=("e_aux", "beta_clone"))
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of ranks
     require(args.num_envs % world_size == 0, f"--num-envs {args.num_envs} must be a multiple of the {world_size} "
             "ranks: each rank steps num_envs / ranks games")
@@ -1373,11 +1367,11 @@ def check_args(args):
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
             "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
-    require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0, "--num-aux-rollouts "
-            f"{args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
+    require(args.num_aux_rollouts is None or args.num_aux_rollouts % world_size == 0,
+            f"--num-aux-rollouts {args.num_aux_rollouts} must be a multiple of the {world_size} ranks")
     rollouts = aux_rollouts_per_rank(args, world_size)
-    require(rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} must "
-            f"divide the {rollouts} rollouts of each rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
+    require(rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} must divide "
+            f"the {rollouts} rollouts of each rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
