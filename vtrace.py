@@ -1273,7 +1273,7 @@ CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at abou
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 
 
-# ---- IMPALA's own plumbing: CUDA streams, the actor-learner thread split, logging the policy lag ----
+# ---- IMPALA's own plumbing: CUDA streams, thread split, lag log, a stop inside an iteration ----
 class PolicySnapshots:
     """The learner's parameters by version (version = updates so far): the learner publishes a copy
     after every update, the actor loads one into its own network before every unroll. Copies, never
