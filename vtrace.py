@@ -278,7 +278,6 @@ def sample_action(logits, generator=None):
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
 
-
 # ---- V-trace (IMPALA paper, Section 4.1 and Remark 1) ----
 class VTraceReturns(NamedTuple):
     vs: torch.Tensor  # v_s, the V-trace value targets, [T, B, ...]
