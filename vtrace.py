@@ -528,7 +528,6 @@ class Actor:
         """Play unroll n with parameters at most k updates old (exactly k with --deterministic-lag);
         repeat until stopped."""
         args = self.args
-        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank).
         obs = torch.as_tensor(self.envs.reset(seed=self.seed)[0], device=self.device)
         unroll_index = self.first_version
         while True:
@@ -629,7 +628,7 @@ def train(args):
                     optimizer.step()
                     version += 1
                     snapshots.publish(version, agent.parameters(), device)
-                    reward_rms = unroll["reward_rms"]
+                    reward_rms = unroll["reward_rms"]  # the normalizer as this unroll left it
                     times.update(wait=learn_start - wait_start, learn=time.perf_counter() - learn_start,
                                  actor_wait=unroll["actor_wait"], actor_play=unroll["actor_play"])
                     # A signal stops here, all ranks after the same update (after the last one: at the
