@@ -226,17 +226,17 @@ def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
 
 
 def test_on_track_line_names_the_run_as_its_args_json(tmp_path, monkeypatch):
-    """The in-run line comes from benchmarks/anchors.py (issue 24), which picks PPG's anchor from the run's script and
-    flags, as results.py does from args.json: the script's name and --arch, --policy-loss reach it."""
+    """The in-run line comes from benchmarks/reference/on_track.py (issue 24), which picks PPG's anchor from the run's
+    script and flags, as results.py does from args.json: the script's name and --arch, --policy-loss reach it."""
     monkeypatch.setattr(ppg, "__file__", str(tmp_path / "ppg_procgen.py"))
-    monkeypatch.delitem(sys.modules, "anchors", raising=False)
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "anchors.py").write_text(
+    monkeypatch.delitem(sys.modules, "on_track", raising=False)
+    (tmp_path / "benchmarks" / "reference").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "reference" / "on_track.py").write_text(
         "def run_on_track_line(args, global_step, our_return):\n"
         "    return f\"{args['script']} {args['arch']} {args['policy_loss']} @ {global_step}: ours {our_return}\"\n")
     line = ppg.on_track_line(ppg.Args(arch="detach", policy_loss="kl-penalty"), 8_000_000, 3.5)
     assert line == "ppg_procgen.py detach kl-penalty @ 8000000: ours 3.5"
-    monkeypatch.delitem(sys.modules, "anchors")
+    monkeypatch.delitem(sys.modules, "on_track")
 
 
 def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, monkeypatch):

@@ -557,18 +557,22 @@ def test_checkpoints_keep_the_keys_earlier_versions_wrote(cue_env, in_tmp):
     assert set(saved) == {"agent", "optimizer", "iteration", "global_step", "kl_beta", "args", "run_name", "ranks"}
 
 
-def test_on_track_line_comes_from_benchmarks_anchors_and_is_skipped_without_it(tmp_path, monkeypatch):
-    """Issue 24 item 3: the in-run line is benchmarks/anchors.py's (the rules results.py --on-track uses), given the
-    run's args.json dict; a copy of the script without benchmarks/ skips it; sys.path is left as it was."""
+def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp_path, monkeypatch):
+    """Issue 24 item 3: the in-run line is benchmarks/reference/on_track.py's (the rules results.py --on-track uses),
+    given the run's args.json dict; a copy of the script without benchmarks/ skips it; sys.path is left as it was."""
+    monkeypatch.delitem(sys.modules, "on_track", raising=False)
+    real = ppo.on_track_line(ppo.Args(), 1_500_000, 3.0)  # the repository's rules: baselines PPO easy-all
+    assert real.startswith("starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
+    monkeypatch.delitem(sys.modules, "on_track")
     monkeypatch.setattr(ppo, "__file__", str(tmp_path / "ppo_procgen.py"))
-    monkeypatch.delitem(sys.modules, "anchors", raising=False)
     path_before = list(sys.path)
     assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) is None  # no benchmarks/ next to the script
-    (tmp_path / "benchmarks").mkdir()
-    sys.path_importer_cache.pop(str(tmp_path / "benchmarks"), None)  # python remembers the folder was missing
-    (tmp_path / "benchmarks" / "anchors.py").write_text(
+    rules = tmp_path / "benchmarks" / "reference"
+    rules.mkdir(parents=True)
+    sys.path_importer_cache.pop(str(rules), None)  # python remembers the folder was missing
+    (rules / "on_track.py").write_text(
         "def run_on_track_line(args, global_step, our_return):\n"
         "    return f\"{args['script']} {args['env_id']} @ {global_step}: ours {our_return}\"\n")
     assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) == "ppo_procgen.py starpilot @ 12000000: ours 14.2"
     assert sys.path == path_before
-    monkeypatch.delitem(sys.modules, "anchors")
+    monkeypatch.delitem(sys.modules, "on_track")

@@ -254,7 +254,7 @@ def test_scripts_reference_line_agrees_with_results_py():
 
 
 def test_scripts_pick_their_anchor_from_their_flags():
-    # PPG's anchor per --arch / --policy-loss: the `match` cases above (the scripts' line is benchmarks/anchors.py's,
+    # PPG's anchor per --arch / --policy-loss: the `match` cases above (the scripts' line is benchmarks/reference/on_track.py's,
     # handed the run's script and flags: tests/test_ppg.py)
     import ppo_procgen
     assert ppo_procgen.anchor_name(ppo_procgen.Args()) == "ppo"
