@@ -596,7 +596,7 @@ def train(args):
                 if args.e_aux:  # "Add all (s_t, V_targ_t) to B", in the iteration's place
                     aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
                     aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
-                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:  # not after the last: PPG code
+                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:  # none after the last (PPG code)
                     kept = min(args.n_pi, iteration - start_iteration + 1)  # resumed: B since then
                     policy_phase_start = auxiliary_phase_and_log(
                         forward_aux, aux_optimizer, aux_obs[-kept:], aux_value_targets[-kept:], args, device, autocast,
