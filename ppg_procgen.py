@@ -126,7 +126,7 @@ class Args:
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
     on_track: bool = True
-    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/anchors.py)"""
+    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
     """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
     track: bool = False
@@ -658,25 +658,26 @@ def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, ite
           "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
           + (f", video {video}" if video else ""))
     training_return = mean_or_none(recent_returns)
-    if args.on_track and args.num_levels == 0 and rank == 0 and training_return is not None:
+    if args.on_track and rank == 0 and training_return is not None:
         line = on_track_line(args, global_step, training_return)
         if line is not None:
             print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
 
 def on_track_line(args, global_step, training_return):
-    """benchmarks/anchors.py's line for this run at this step, the one `benchmarks/results.py
-    --on-track` prints; None where no anchor matches or the script runs without benchmarks/."""
-    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
-    sys.path.insert(0, benchmarks)
+    """The line of benchmarks/reference/on_track.py (the rules `benchmarks/results.py --on-track`
+    uses too) for this run at this step; None where no anchor matches or the script runs without
+    benchmarks/."""
+    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
+    sys.path.insert(0, rules)
     try:
-        import anchors
+        import on_track
     except ImportError:
         return None
     finally:
-        sys.path.remove(benchmarks)
+        sys.path.remove(rules)
     run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
-    return anchors.run_on_track_line(run_args, global_step, training_return)
+    return on_track.run_on_track_line(run_args, global_step, training_return)
 
 
 def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
@@ -1045,6 +1046,8 @@ class StopOnSignal:
                 signal.signal(signum, handler)
 
     def requested(self):
+        if not dist.is_initialized():  # one process: no all-reduce, no host sync
+            return bool(self.signals)
         caught = torch.tensor(float(bool(self.signals)), device=self.device)
         return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
 
