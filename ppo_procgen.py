@@ -9,7 +9,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import gzip
 import io
 import json
 import math
@@ -26,8 +25,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: imported later (torch.optim does on first use) it would keep
-# group.WORLD and gloo's threads alive past destroy_process_group, which can abort the exit.
+# Now, before any process group: imported later (by torch.optim) gloo's threads may abort the exit.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -156,6 +154,32 @@ def make_env(args, num_envs):
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
+
+
+class NormalizeReward(gym.vector.VectorWrapper):
+    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
+    updates the statistics `return_rms`, and G restarts after an episode's last step, so G_T keeps
+    the episode's history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T)."""
+
+    def __init__(self, env, gamma, epsilon=1e-8):
+        super().__init__(env)
+        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
+        self.returns = np.zeros(self.num_envs)
+        self.gamma = gamma
+        self.epsilon = epsilon
+
+    def reset(self, *, seed=None, options=None):
+        self.returns = np.zeros(self.num_envs)  # fresh games
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.return_rms.update(self.returns)
+        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
+        return obs, reward, terminated, truncated, info
 
 
 def normed_(layer, scale):
@@ -306,6 +330,30 @@ def adapt_kl_beta(kl_beta, kl, target_kl):
     return kl_beta
 
 
+def minibatches(batch_size, args, device):
+    """One epoch's minibatches of a flat [num_steps * num_games] batch (index t * num_games + n), by
+    --minibatch-unit: random frames, or every step of num_games / num_minibatches random games."""
+    num_games = batch_size // args.num_steps
+    if args.minibatch_unit == "frames":
+        return torch.randperm(batch_size, device=device).split(batch_size // args.num_minibatches)
+    games = torch.randperm(num_games, device=device).split(num_games // args.num_minibatches)
+    steps = torch.arange(0, batch_size, num_games, device=device)  # t * num_games
+    return [(steps[:, None] + group[None, :]).flatten() for group in games]
+
+
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each parameter group on its own (PPO: one group; PPG: one per
+    network: the value network's gradient cannot shrink the policy's step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
+def explained_variance(returns, values):
+    """1 - Var[R - V] / Var[R] over all ranks: 1 when the values predict the returns, 0 when they explain nothing."""
+    _, residual_std = global_moments(returns - values)
+    _, returns_std = global_moments(returns)
+    return (1 - (residual_std / returns_std) ** 2).item()
+
+
 def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
     """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
     loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
@@ -319,7 +367,7 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     stats = {}
     steps_taken = 0  # minibatch steps over all epochs so far: a KL early stop ends the update early
     for epoch in range(max(epochs_pi, epochs_v)):
-        epoch_kl = 0.0
+        epoch_kl = epoch_approx_kl = 0.0  # this epoch's sums, for "kl" and for --target-kl
         for minibatch in minibatches(batch_size, args, batch["obs"].device):
             with autocast():
                 logits, new_value = agent(batch["obs"][minibatch])
@@ -356,9 +404,10 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
                 for key, value in minibatch_stats.items():
                     stats[key] = stats.get(key, 0.0) + value
                 epoch_kl = epoch_kl + kl.mean()
+                epoch_approx_kl = epoch_approx_kl + minibatch_stats["approx_kl"]
             steps_taken += 1
         stop_early = args.policy_loss == "clip" and args.target_kl is not None  # all ranks agree
-        if stop_early and all_reduce_mean(stats["approx_kl"] / steps_taken) > args.target_kl:
+        if stop_early and all_reduce_mean(epoch_approx_kl / args.num_minibatches) > args.target_kl:
             break
     stats = {key: value / steps_taken for key, value in stats.items()}
     stats["kl"] = epoch_kl / args.num_minibatches
@@ -371,22 +420,24 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
 
 
 def train(args):
-    run = Run(args)  # flags, torchrun, seeds, threads, the log; what --resume continues
-    args = run.args  # a resumed run continues with its checkpoint's flags
-    device = run.device
-    local_envs = run.local_envs  # this rank's games; --num-envs and every step count are global
+    args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
+    args.env_threads, torch_threads = thread_split(args, device)
+    torch.set_num_threads(torch_threads)
+    run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
+    local_envs = args.num_envs // world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
-    num_iterations = run.count_iterations(batch_size)
+    num_iterations = count_iterations(args, batch_size, device)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    policy = run.load_agent(agent)  # a checkpoint's weights, alike on all ranks; --compile
-    if args.eval_only:
-        return run.evaluate_checkpoint()
+    envs = make_env(args, local_envs)  # (procgen makes the games at reset)
+    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer}, envs.env)
+    policy = torch.compile(agent) if args.compile else agent  # the same weights
+    if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
+        return evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs)
 
-    envs = make_env(args, local_envs)
     # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
     obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
     actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
@@ -394,18 +445,23 @@ def train(args):
     rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
     frames_to_device = FramesToDevice(local_envs, device)
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
-    kl_beta = run.resume(envs.env, optimizers={"optimizer": optimizer}, kl_beta=kl_beta)["kl_beta"]
-    next_obs = frames_to_device(envs.reset(seed=run.env_seed)[0])
+    kl_beta = checkpoint["kl_beta"] if args.resume else kl_beta
+    # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
+    next_obs = frames_to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
     next_done = torch.zeros(local_envs, device=device)
-    global_step = (run.start_iteration - 1) * batch_size
-    with run.guard(envs):  # signals stop at an iteration's end; a non-finite gradient stops
-        for iteration in range(run.start_iteration, num_iterations + 1):
-            run.anneal_learning_rate(iteration)
+    global_step = (start_iteration - 1) * batch_size
+    start = (time.time(), global_step)  # SPS and the ETA count this process's steps
+    recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
+    # A signal stops the run at the end of an iteration, with a checkpoint; leaving closes the games
+    with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
+        try:
+            for iteration in range(start_iteration, num_iterations + 1):
+                if args.anneal_lr:  # linearly to 0 over the run
+                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
 
-            # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
-            episode_returns = []
-            episode_lengths = []
-            with run.timer("rollout"):
+                # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
+                episode_returns, episode_lengths = [], []
+                rollout_start, env_seconds = time.perf_counter(), 0.0  # the rollout's, the games' share
                 for step in range(args.num_steps):
                     global_step += args.num_envs
                     obs[step] = next_obs
@@ -418,11 +474,11 @@ def train(args):
                     rollout_logits[step] = logits.float()
                     log_probs[step] = log_prob_entropy(logits, action)[0]
                     action_cpu = action.cpu().numpy()  # the step's one host sync
-                    with run.timer("env"):
-                        frames, reward, terminated, truncated, info = envs.step(action_cpu)
+                    env_start = time.perf_counter()
+                    frames, reward, terminated, truncated, info = envs.step(action_cpu)
+                    env_seconds += time.perf_counter() - env_start
                     rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
-                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32)
-                    next_done = next_done.to(device, non_blocking=True)
+                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
                     next_obs = frames_to_device(frames)
                     if "_episode" in info:  # every episode that ended here, not only the first
                         episode_returns += info["episode"]["r"][info["_episode"]].tolist()
@@ -430,8 +486,8 @@ def train(args):
                 with torch.no_grad(), autocast():
                     next_value = policy(next_obs)[1].float()
 
-            with run.timer("update"):
                 # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
+                update_start = time.perf_counter()
                 advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
                 returns = advantages + values
                 batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
@@ -444,10 +500,24 @@ def train(args):
                     kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
                 stats["explained_variance"] = explained_variance(returns, values)
 
-            # 4. Log; then evaluate, save a checkpoint or stop where the flags or a signal ask.
-            run.log_iteration(iteration, global_step, episode_returns, episode_lengths, stats)
-            run.end_iteration(iteration, global_step, kl_beta=kl_beta)
-    return run.run_dir
+                # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
+                times = {"rollout": update_start - rollout_start, "env": env_seconds,
+                         "update": time.perf_counter() - update_start}
+                log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
+                              episode_lengths, recent_returns, stats, times)
+                if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
+                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
+                                     recent_returns)
+                stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
+                if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
+                    state = checkpoint_state(args, run_name, iteration, agent, optimizer, envs.env, kl_beta)
+                    stop.save(os.path.join(run_dir, "checkpoint.pt"), state, final=iteration == num_iterations)
+                if stopping:
+                    stop.exit(iteration)
+        except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
+            state = checkpoint_state(args, run_name, iteration - 1, agent, optimizer, envs.env, kl_beta)
+            exit_nonfinite(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
+    return run_dir
 
 
 # ---- Appendix: plumbing ----
@@ -472,59 +542,54 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG",
-                 "ppgsingle": "official PPG single-network", "ppgkl": "official PPG-KL",
-                 "easy-all": "official baselines PPO (easy-all)"}
-REFERENCES = {}  # benchmarks/reference's curves, read once
+def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
+                     recent_returns):
+    """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
+    --capture-video and, with --on-track, sets the last 100 training episodes (`recent_returns`)
+    against the anchors' runs at this step."""
+    video = None
+    if args.capture_video and rank == 0:
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4")
+    start = time.perf_counter()
+    num_episodes = len(range(rank, args.eval_episodes, world_size))
+    seed = args.seed + 10**6 + iteration * world_size + rank
+    eval_return = float(np.mean(gather(evaluate(agent, args, device, num_episodes, seed, video))))
+    score = normalized_score(args.env_id, args.distribution_mode, eval_return)
+    logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
+    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
+          "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
+          + (f", video {video}" if video else ""))
+    training_return = mean_or_none(recent_returns)
+    if args.on_track and rank == 0 and training_return is not None:
+        line = on_track_line(args, global_step, training_return)
+        if line is not None:
+            print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
 
-def anchor_name(args):
-    """Which anchor's runs (benchmarks/reference/) this script and its flags reproduce, if any."""
-    script = os.path.basename(__file__)
-    if script == "ppo_procgen.py":
-        return "ppo"
-    if script != "ppg_procgen.py":
+def on_track_line(args, global_step, training_return):
+    """The line of benchmarks/reference/on_track.py (the rules `benchmarks/results.py --on-track`
+    uses too) for this run at this step; None where no anchor matches or the script runs without
+    benchmarks/."""
+    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
+    sys.path.insert(0, rules)
+    try:
+        import on_track
+    except ImportError:
         return None
-    if args.policy_loss == "kl-penalty":
-        return "ppgkl"
-    return {"dual": "ppg", "detach": "ppgsingle"}[args.arch]
+    finally:
+        sys.path.remove(rules)
+    run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
+    return on_track.run_on_track_line(run_args, global_step, training_return)
 
 
-def reference_line(script_dir, env_id, distribution_mode, algorithm, global_step, our_return):
-    """'On track?': `our_return` at `global_step` against the anchors' seeds there, as
-    `benchmarks/results.py --on-track` prints it: their mean [min, max]. None where no reference
-    exists (PPO: easy = baselines' easy-all, hard = the PPG paper's PPO; PPG: hard only)."""
-    experiment = algorithm
-    source = "phasic_policy_gradient"
-    if (distribution_mode, algorithm) == ("easy", "ppo"):
-        experiment = "easy-all"
-        source = "train_procgen"
-    path = os.path.join(script_dir, "benchmarks", "reference", f"{source}.json.gz")
-    if algorithm is None or our_return is None or not os.path.exists(path):
-        return None
-    if distribution_mode != "hard" and experiment != "easy-all":
-        return None
-    if path not in REFERENCES:
-        with gzip.open(path, "rt") as f:
-            REFERENCES[path] = json.load(f)
-    data = REFERENCES[path]
-    values = []
-    for seed in data["experiments"].get(experiment, {}).get("seeds", []):
-        curve = data["curves"][seed].get(env_id, {"steps": [], "returns": []})
-        points = [(step, value) for step, value in zip(curve["steps"], curve["returns"]) if value is not None]
-        if not points or not points[0][0] <= global_step <= points[-1][0]:
-            return None
-        steps, returns = zip(*points)
-        values.append(float(np.interp(global_step, steps, returns)))
-    if not values:
-        return None
-    where = "within"
-    if our_return < min(values):
-        where = "below"
-    if our_return > max(values):
-        where = "above"
-    return (f"{env_id} @ {global_step / 1e6:.1f}M: ours {our_return:.1f} vs {ANCHOR_LABELS[experiment]} "
-            f"{np.mean(values):.1f} [{min(values):.1f}, {max(values):.1f}] ({where})")
+def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
+    """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
+    process group are closed. Returns the run's directory."""
+    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
+                     checkpoint["iteration"], checkpoint["global_step"], recent_returns=())
+    close_run(envs, logger)
+    return run_dir
 
 
 @torch.no_grad()
@@ -550,12 +615,12 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
             frames.append(obs[0])
     envs.close()
     if video_path:
-        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # to 256x256
     return returns.tolist()
 
 
 def write_video(path, frames, fps=15):
-    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    import imageio.v3 as iio  # via PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old)
     iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
     os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
 
@@ -575,7 +640,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
     def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
             from procgen import ProcgenGym3Env
         self._make = functools.partial(  # the games, once reset gives their seed
             ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
@@ -588,7 +653,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed if none is given
         if self.env is not None:
             self.env.close()
         if seed is None:
@@ -607,35 +672,8 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
-class NormalizeReward(gym.vector.VectorWrapper):
-    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
-    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
-    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
-    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
-    are `return_rms` (mean, var, count), as checkpoints keep them."""
-
-    def __init__(self, env, gamma, epsilon=1e-8):
-        super().__init__(env)
-        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
-        self.returns = np.zeros(self.num_envs)
-        self.gamma = gamma
-        self.epsilon = epsilon
-
-    def reset(self, *, seed=None, options=None):
-        self.returns = np.zeros(self.num_envs)  # fresh games
-        return self.env.reset(seed=seed, options=options)
-
-    def step(self, actions):
-        obs, reward, terminated, truncated, info = self.env.step(actions)
-        self.returns = self.returns * self.gamma + reward
-        self.return_rms.update(self.returns)
-        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
-        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
-        return obs, reward, terminated, truncated, info
-
-
 class FramesToDevice:
-    """The games' frames onto the device; on CUDA through a pinned staging buffer, copied asynchronously."""
+    """The games' frames onto the device; on CUDA via a pinned staging buffer, asynchronously."""
 
     def __init__(self, num_envs, device):
         self.device = device
@@ -648,334 +686,46 @@ class FramesToDevice:
         return self.staging.copy_(torch.from_numpy(frames)).to(self.device, non_blocking=True)
 
 
-class Run:
-    """Everything a training run does besides its algorithm, for PPO, PPG and IMPALA alike. In the
-    order `train` calls it: `Run(args)` checks the flags, loads a checkpoint to resume or evaluate,
-    joins torchrun, seeds, splits the threads and opens the log; `count_iterations`, `load_agent`,
-    `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
-    loop, `timer` blocks, `log_iteration` and `end_iteration`."""
+def start_run(args):
+    """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its
+    checkpoint's flags (only RUNTIME_FLAGS from the command line), and those are checked; then
+    torchrun's process group, this rank's device and seeds. Returns (args, checkpoint or None,
+    rank, world_size, device)."""
+    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
+    for flag in ("checkpoint", "resume"):
+        path = getattr(args, flag)
+        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    checkpoint = None
+    if args.resume or args.eval_only:
+        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+    check_args(args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's statistics, RNGs: its own
+    saved_ranks = len(checkpoint["ranks"]) if args.resume else world_size
+    require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: "
+            f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+    rank, world_size, device = setup_distributed(args)
+    # Each rank its own actions and minibatches (and its own levels).
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
+    return args, checkpoint, rank, world_size, device
 
-    def __init__(self, args, prepare=None, split_threads=None):
-        """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
-        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`.
-        `split_threads(args, device) -> (env_threads, torch_threads)` replaces `thread_split` (IMPALA: its actor
-        and learner share the cores)."""
-        check_args(args)
-        self.checkpoint = None
-        if args.resume or args.eval_only:
-            self.checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
-            # Each rank's reward statistics and RNG states are its own.
-            saved_ranks = len(self.checkpoint["ranks"])
-            same_ranks = saved_ranks == int(os.environ.get("WORLD_SIZE", 1))
-            require(args.eval_only or same_ranks, f"--resume {args.resume} was written by {saved_ranks} ranks: "
-                    f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
-        self.args = args
-        self.rank, self.world_size, self.device = setup_distributed(args)
-        self.local_envs = args.num_envs // self.world_size
-        self.start_iteration = 1
-        self.prepared = None  # before the run directory: a refusal leaves nothing behind
-        if prepare is not None and not args.eval_only:
-            self.prepared = prepare(args, self.device, self.world_size)
-        self.saved = None  # (iteration, path) of the last checkpoint written
-        if args.resume:
-            self.start_iteration = self.checkpoint["iteration"] + 1
-            self.saved = (self.checkpoint["iteration"], args.resume)
-            self.run_name = self.checkpoint["run_name"]
-            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
-            require(os.access(self.run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        else:  # a directory no other run uses; an unwritable runs/ stops here, before anything big
-            eval_suffix = "__eval" if args.eval_only else ""
-            seconds = int(time.time())
-            base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
-            self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
-        # Each rank its own actions and minibatches (and its own levels).
-        random.seed(args.seed + self.rank)
-        np.random.seed(args.seed + self.rank)
-        torch.manual_seed(args.seed + self.rank)
-        torch.backends.cudnn.deterministic = args.torch_deterministic
-        # Autotuned kernels are faster, not reproducible.
-        torch.backends.cudnn.benchmark = not args.torch_deterministic
-        if split_threads is None:
-            split_threads = thread_split
-        args.env_threads, torch_threads = split_threads(args, self.device)
-        torch.set_num_threads(torch_threads)
-        resume_iteration = self.start_iteration - 1 if args.resume else None
-        self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
-        self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
-        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
-        # level is replayed.
-        self.env_seed = args.seed + (self.start_iteration - 1) * self.world_size + self.rank
-        self.agent = None
-        self.optimizers = {}
-        self.normalizer = None
-        self.state = {}  # what checkpoints hold besides weights, optimizers and RNGs (PPO: kl_beta)
-        self.reward_rms = None  # from `keep` where the normalizer runs ahead (IMPALA's actor)
-        self.times = collections.Counter()
-        self.recent_returns = collections.deque(maxlen=100)
-        self.interrupted = []
-        self.on_stop = None
-        self.last_cycle_seconds = None  # between the last two `stage` ends (PPG: a phase)
 
-    def count_iterations(self, steps_per_iteration):
-        """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
-        args = self.args
-        self.steps_per_iteration = steps_per_iteration
-        self.num_iterations = args.total_timesteps // steps_per_iteration
-        trained_steps = self.num_iterations * steps_per_iteration
-        if trained_steps != args.total_timesteps and not args.eval_only:
-            iterations = self.num_iterations
-            print(f"note: training {trained_steps:,} steps ({iterations} whole iterations)")
-        if self.device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
-            print(CPU_NOTE)
-        return self.num_iterations
-
-    def load_agent(self, agent):
-        """The checkpoint's weights (if any), rank 0's on every rank; returns the network to call,
-        compiled with --compile (it shares the weights)."""
-        if self.checkpoint is not None:
-            agent.load_state_dict(self.checkpoint["agent"])
-        for tensor in agent.state_dict().values() if dist.is_initialized() else ():
-            dist.broadcast(tensor, src=0)
-        self.agent = agent
-        return torch.compile(agent) if self.args.compile else agent
-
-    def resume(self, normalizer, optimizers, **state):
-        """`optimizers` by the keys checkpoints keep them under ({"optimizer": ...}; PPG adds
-        "aux_optimizer") and the algorithm's `state` with its starting values. With --resume all get
-        the checkpoint's values, and this rank its reward statistics and RNG states. Returns the
-        state to continue from."""
-        self.normalizer = normalizer
-        self.optimizers = optimizers
-        self.state = dict(state)
-        if self.args.resume:
-            for key, optimizer in optimizers.items():
-                optimizer.load_state_dict(self.checkpoint[key])
-            restore_rank_state(self.checkpoint["ranks"][self.rank], normalizer)
-            self.state = {key: self.checkpoint[key] for key in state}
-            print(f"resuming {self.run_name} at iteration {self.start_iteration}")
-        return dict(self.state)
-
-    def keep(self, reward_rms=None, **state):
-        """Update what the next checkpoint holds (also one a non-finite gradient writes mid-iteration)."""
-        if reward_rms is not None:
-            self.reward_rms = reward_rms
-        self.state.update(state)
-
-    def checkpoint_state(self, iteration):
-        reward_rms = self.reward_rms
-        if reward_rms is None:
-            reward_rms = reward_statistics(self.normalizer)
-        optimizers = {key: optimizer.state_dict() for key, optimizer in self.optimizers.items()}
-        global_step = iteration * self.steps_per_iteration
-        ranks = gather([rank_state(reward_rms)])  # every rank's own state
-        return dict(agent=self.agent.state_dict(), **optimizers, iteration=iteration, global_step=global_step,
-                    **self.state, args=asdict(self.args), run_name=self.run_name, ranks=ranks)
-
-    def anneal_learning_rate(self, iteration):
-        """With --anneal-lr, every optimizer's rate falls linearly to 0 over the run."""
-        if not self.args.anneal_lr:
-            return
-        learning_rate = self.args.learning_rate * (1.0 - (iteration - 1) / self.num_iterations)
-        for optimizer in self.optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
-
-    @contextlib.contextmanager
-    def timer(self, name):
-        """Adds the block's seconds to this iteration's time/<name> column (and its console line)."""
-        self.times[name] += 0.0  # columns in the order their timers first start
-        start = time.time()
-        yield
-        self.times[name] += time.time() - start
-
-    @contextlib.contextmanager
-    def stage(self, name, iteration, global_step, since=None):
-        """An algorithm's own stage between iterations (PPG: its auxiliary phase). The losses put in
-        the dict yielded go to a row of their own with time/<name> and, with `since`, time/<since>:
-        the seconds from the previous stage's end to this one's start; a console line shows both."""
-        stats = {}
-        start = time.time()
-        yield stats
-        seconds = {name: time.time() - start}
-        if since is not None:
-            seconds = {since: start - self.stage_end, **seconds}
-        self.last_cycle_seconds = time.time() - self.stage_end
-        self.logger.log({"global_step": global_step, "iteration": iteration, **stats,
-                         **{f"time/{key}": value for key, value in seconds.items()}})
-        timers = ", ".join(f"{key.replace('_', ' ')} {value:.1f}s" for key, value in seconds.items())
-        losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
-        print(f"{name.replace('_', ' ')}: {timers} | {losses}", flush=True)
-        self.stage_end = time.time()
-
-    @contextlib.contextmanager
-    def guard(self, envs, on_stop=None, failure_message=None, start_step=None):
-        """Around the training loop: signals only ask to stop (see `catch_interrupt` and
-        `end_iteration`); a non-finite gradient saves the weights before that step and exits with
-        one line (`failure_message(error, path)` words it, where given); every exit closes the
-        games, the log and the process group. `on_stop` ends threads of the algorithm's own
-        (IMPALA's actor) before any checkpoint is written and at the end. `start_step`: the steps
-        trained before this process started (a resumed run may have trained part of an iteration)."""
-        self.interrupted = catch_interrupt()
-        self.on_stop = on_stop
-        self.start_time = time.time()
-        self.stage_end = self.start_time
-        self.start_step = start_step
-        if start_step is None:
-            self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
-        try:
-            yield
-        except FloatingPointError as error:  # raised before the step that would put a NaN in weights
-            self.stop_threads()
-            path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
-            if not save_checkpoint(path, **self.checkpoint_state(self.completed)):
-                raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); "
-                                 f"{self.last_saved()}")
-            if failure_message is not None:
-                raise SystemExit(failure_message(error, path))
-            raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
-                             f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
-                             "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-        except KeyboardInterrupt:  # a second signal (`catch_interrupt`): stop at once, in one line
-            signum = self.interrupted[-1] if self.interrupted else signal.SIGINT
-            name = signal.Signals(signum).name
-            print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
-            raise SystemExit(128 + signum)
-        finally:  # closing is short and bounded: a further signal must not cut it off half done
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.stop_threads()
-            envs.close()
-            self.logger.close()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    def stop_threads(self):
-        if self.on_stop is not None:
-            self.on_stop()
-
-    def log_iteration(self, iteration, global_step, episode_returns, episode_lengths, losses, columns=None,
-                      note="", seconds_per_iteration=None):
-        """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's
-        episodes, the `losses` (already averaged over the ranks), the algorithm's own `columns`, the
-        timers. The ETA assumes `seconds_per_iteration` for each iteration to come (default: the
-        steps per second so far); `note` goes after it on the console."""
-        episode_returns = gather(episode_returns)  # every rank's episodes count
-        episode_lengths = gather(episode_lengths)
-        self.recent_returns.extend(episode_returns)
-        elapsed = time.time() - self.start_time
-        sps = (global_step - self.start_step) / elapsed
-        learning_rate = next(iter(self.optimizers.values())).param_groups[0]["lr"]
-        gpu_memory = None
-        if self.device.type == "cuda":
-            gpu_memory = torch.cuda.max_memory_allocated() / 2**30
-        self.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
-                         "charts/learning_rate": learning_rate, "charts/episodes": len(episode_returns),
-                         "charts/episodic_return": mean_or_none(episode_returns),
-                         "charts/episodic_length": mean_or_none(episode_lengths),
-                         "charts/episodic_return_last100": mean_or_none(self.recent_returns),
-                         **{f"losses/{key}": value for key, value in losses.items()}, **(columns or {}),
-                         **{f"time/{key}": seconds for key, seconds in self.times.items()},
-                         "perf/gpu_memory_gb": gpu_memory})
-        self.completed = iteration
-        if seconds_per_iteration is None:
-            seconds_per_iteration = self.steps_per_iteration / sps
-        eta = (self.num_iterations - iteration) * seconds_per_iteration / 60
-        timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in self.times.items())
-        returns = "-"
-        if episode_returns:
-            returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
-        print(f"iter {iteration}/{self.num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | ETA "
-              f"{eta:.1f} min{note} | return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f}"
-              f" ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
-        self.times = collections.Counter()
-
-    def end_iteration(self, iteration, global_step, may_stop=True, reward_rms=None, **state):
-        """Evaluate and save a checkpoint where the flags ask, with `state` (see `keep`); then, if
-        any rank caught a signal, save and exit with 128 + its number, all ranks here together.
-        `may_stop=False` (PPG inside a phase) leaves the stop to a later iteration."""
-        self.keep(reward_rms, **state)
-        args = self.args
-        if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
-            self.evaluate(iteration, global_step)
-        if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
-            # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
-            require(self.save(iteration) or iteration < self.num_iterations,
-                    f"the final checkpoint could not be written (see above); {self.last_saved()}")
-        if self.signalled() and may_stop:  # every rank asks every iteration; nothing is half done
-            self.stop(iteration)
-
-    def signalled(self):
-        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
-        stop: one all-reduce of a scalar under torchrun, nothing (no host sync) in one process."""
-        if not dist.is_initialized():
-            return bool(self.interrupted)
-        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
-        return bool(all_reduce_mean(caught) > 0)
-
-    def stop(self, iteration, what=None, **extra):
-        """A signal's stop: the algorithm's threads first, then a checkpoint of `iteration` with the
-        kept state and `extra` (entries that replace or add to it), then exit with 128 + the signal's
-        number. `what` words what was saved (default "iteration N")."""
-        signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
-        name = signal.Signals(signum).name
-        if what is None:
-            what = f"iteration {iteration}"
-        self.stop_threads()
-        if self.save(iteration, **extra):
-            print(f"interrupted by {name}: saved {what} to {self.run_dir}/checkpoint.pt; continue with --resume")
-        else:
-            print(f"interrupted by {name}: {what} could not be saved; {self.last_saved()}", flush=True)
-        raise SystemExit(128 + signum)
-
-    def save(self, iteration, **extra):
-        """checkpoint.pt for `iteration` (`extra`: entries that replace or add to `checkpoint_state`'s);
-        False (after one line) where the write failed."""
-        path = os.path.join(self.run_dir, "checkpoint.pt")
-        saved = save_checkpoint(path, **{**self.checkpoint_state(iteration), **extra})
-        if saved:
-            self.saved = (iteration, path)
-        return saved
-
-    def last_saved(self):
-        if self.saved is None:
-            return "no checkpoint of this run was saved"
-        iteration, path = self.saved
-        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
-
-    def evaluate(self, iteration, global_step):
-        """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
-        args = self.args
-        video = None
-        if args.capture_video and self.rank == 0:
-            video = os.path.join(self.run_dir, "videos", f"eval_{iteration:05d}.mp4")
-        start = time.time()
-        num_episodes = len(range(self.rank, args.eval_episodes, self.world_size))
-        seed = args.seed + 10**6 + iteration * self.world_size + self.rank
-        episode_returns = evaluate(self.agent, args, self.device, num_episodes, seed, video)
-        eval_return = float(np.mean(gather(episode_returns)))
-        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-        self.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                         "eval/normalized_score": score, "time/eval": time.time() - start}, video)
-        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-              + (f", normalized score {score:.3f}" if score is not None else "")
-              + (f", video {video}" if video else ""))
-        if args.on_track and args.num_levels == 0 and self.rank == 0:
-            script_dir = os.path.dirname(os.path.abspath(__file__))
-            training_return = mean_or_none(self.recent_returns)
-            line = reference_line(script_dir, args.env_id, args.distribution_mode, anchor_name(args), global_step,
-                                  training_return)
-            if line is not None:
-                print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
-
-    def evaluate_checkpoint(self):
-        """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
-        self.evaluate(self.checkpoint["iteration"], self.checkpoint["global_step"])
-        self.logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return self.run_dir
+def open_run(args, checkpoint, rank):
+    """The run's directory (a resumed run's own, else a new one no other run shares; an unwritable
+    runs/ stops here, before anything big) and its log. Returns (run_name, run_dir, logger)."""
+    if args.resume:
+        run_name = checkpoint["run_name"]
+        run_dir = os.path.dirname(os.path.abspath(args.resume))
+        require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+    else:
+        suffix = "__eval" if args.eval_only else ""
+        base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
+        run_name, run_dir = create_run_dir(base_name, rank)
+    resume_iteration = checkpoint["iteration"] if args.resume else None
+    return run_name, run_dir, Logger(args, run_name, run_dir, rank, resume_iteration)
 
 
 def create_run_dir(base_name, rank):
@@ -1000,19 +750,16 @@ def create_run_dir(base_name, rank):
     return outcome[0], os.path.join("runs", outcome[0])
 
 
-def minibatches(batch_size, args, device):
-    """One epoch's minibatches of a flat [num_steps * num_games] batch (index t * num_games + n), by
-    --minibatch-unit: random frames, or every step of num_games / num_minibatches random games."""
-    num_games = batch_size // args.num_steps
-    if args.minibatch_unit == "frames":
-        return torch.randperm(batch_size, device=device).split(batch_size // args.num_minibatches)
-    games = torch.randperm(num_games, device=device).split(num_games // args.num_minibatches)
-    steps = torch.arange(0, batch_size, num_games, device=device)  # t * num_games
-    return [(steps[:, None] + group[None, :]).flatten() for group in games]
-
-
-def mean_or_none(values):
-    return float(np.mean(values)) if len(values) else None
+def count_iterations(args, steps_per_iteration, device):
+    """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps, with a note
+    where that trains fewer steps, and the CPU note for a long run on a CPU."""
+    num_iterations = args.total_timesteps // steps_per_iteration
+    trained_steps = num_iterations * steps_per_iteration
+    if trained_steps != args.total_timesteps and not args.eval_only:
+        print(f"note: training {trained_steps:,} steps ({num_iterations} whole iterations)")
+    if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
+        print(CPU_NOTE)
+    return num_iterations
 
 
 def setup_distributed(args):
@@ -1030,11 +777,15 @@ def setup_distributed(args):
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
+    if args.cuda and not use_cuda:  # rank 0's line: the others' stdout is gone
+        print("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is "
+              "False); running on the CPU")
     return rank, int(os.environ.get("WORLD_SIZE", 1)), device
 
 
 def all_reduce_mean(tensor):
-    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one
+    process."""
     if dist.is_initialized():
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
@@ -1071,20 +822,6 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
-def clip_grad_norms(optimizer, max_grad_norm):
-    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one
-    group; PPG: one per network, so that the value network's gradient cannot shrink the policy's
-    step). Returns the norms before."""
-    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
-
-
-def explained_variance(returns, values):
-    """1 - Var[R - V] / Var[R] over all ranks: 1 when the values predict the returns, 0 when they explain nothing."""
-    _, residual_std = global_moments(returns - values)
-    _, returns_std = global_moments(returns)
-    return (1 - (residual_std / returns_std) ** 2).item()
-
-
 def thread_split(args, device):
     """In the rollout the games step while the network waits and vice versa, so procgen's and
     torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
@@ -1092,49 +829,92 @@ def thread_split(args, device):
     faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
     thread for its bookkeeping."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # one machine's ranks share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
     torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
     return env_threads, torch_threads
 
 
-def available_memory(device):
-    """Bytes this rank may use on `device` without swapping: the GPU's free memory, or the host's
-    MemAvailable (Linux; elsewhere unknown: inf) shared by the ranks of one machine."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if "MemAvailable" in line:  # given in KiB
-                    return int(line.split()[1]) * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return float("inf")
+class StopOnSignal:
+    """A first Ctrl-C or SIGTERM (sent before a kill by SLURM, torchrun, ...) is only recorded: at an
+    iteration's end all ranks learn of it (`requested`), save and `exit`. A second one (not torchrun's
+    copy within 2 s) stops at once, in one line. Leaving closes `closing`, signals ignored."""
 
+    def __init__(self, args, checkpoint, device, closing):
+        self.device, self.closing = device, closing
+        self.signals, self.first_time = [], None
+        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None
 
-def catch_interrupt():
-    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
-    kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
-    a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
-    update. A second signal stops at once, exit 128 + its number, with one line naming the last
-    checkpoint (`Run.guard`); under torchrun a process gets one Ctrl-C twice (from the terminal and
-    forwarded by torchrun), so a repeat within 2 s counts once. `Run.guard` restores the default
-    handlers when the loop ends."""
-    requested = []
-    first_time = []
-
-    def handler(signum, frame):
-        if requested and time.time() - first_time[0] > 2:
-            requested.append(signum)
-            raise KeyboardInterrupt  # `Run.guard` ends the run with one line
-        if requested:
+    def handler(self, signum, frame):
+        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy
             return
-        requested.append(signum)
-        first_time.append(time.time())
-        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
-              "signal stops at once)", flush=True)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return requested
+        self.signals.append(signum)
+        if len(self.signals) > 1:
+            raise KeyboardInterrupt  # `__exit__` ends the run with one line
+        self.first_time = time.perf_counter()
+        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a "
+              "checkpoint (a second signal stops at once)", flush=True)
+
+    def __enter__(self):
+        self.previous = {number: signal.signal(number, self.handler) for number in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        for signum in self.previous:
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
+                signum = (self.signals or [signal.SIGINT])[-1]
+                name = signal.Signals(signum).name
+                print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+                raise SystemExit(128 + signum)
+        finally:
+            close_run(*self.closing)
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
+
+    def requested(self):
+        if not dist.is_initialized():  # one process: no all-reduce, no host sync
+            return bool(self.signals)
+        caught = torch.tensor(float(bool(self.signals)), device=self.device)
+        return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
+
+    def save(self, path, state, final):
+        if save_checkpoint(path, state):  # else one line; retried at the next save
+            self.last_checkpoint = (state["iteration"], path)
+        else:
+            require(not final, f"the final checkpoint could not be written (see above); {self.last_saved()}")
+
+    def exit(self, iteration):
+        signum = self.signals[0] if self.signals else signal.SIGTERM  # another rank caught it
+        outcome = f"iteration {iteration} could not be saved; {self.last_saved()}"
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == iteration:
+            outcome = f"saved iteration {iteration} to {self.last_checkpoint[1]}; continue with --resume"
+        print(f"interrupted by {signal.Signals(signum).name}: {outcome}", flush=True)
+        raise SystemExit(128 + signum)
+
+    def last_saved(self):
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run was saved"
+        return "the last checkpoint is iteration %d in %s (continue with --resume)" % self.last_checkpoint
+
+
+def close_run(*closing):
+    """The games and the log (what has a `close`), then torchrun's process group."""
+    for thing in closing:
+        thing.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_nonfinite(error, path, state, last_saved):
+    """The non-finite stop: `state`, whose weights are those before the step that would have put a
+    NaN in them, to `path`; then one line, exit 1."""
+    if not save_checkpoint(path, state):
+        raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); {last_saved}")
+    raise SystemExit(f"error: {error} after iteration {state['iteration']}; the weights before that "
+                     f"step are saved in {path} (evaluate them with --eval-only --checkpoint; a new "
+                     "run with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
 
 
 class Logger:
@@ -1148,15 +928,10 @@ class Logger:
             return
         os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        purge_step = None
-        if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a crash may leave half a line
-            kept = [row for row in rows if row["iteration"] <= resume_iteration]
-            with open(path, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in kept)
-            purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
+        purge_step = None  # TensorBoard hides the events from this step on
+        if resume_iteration is not None and os.path.exists(path):
+            purge_step = drop_rows_after(path, resume_iteration)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # its flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
@@ -1180,20 +955,13 @@ class Logger:
                 raise OSError(f"wrote {written} of {len(line)} bytes")
         except OSError as error:
             self.file.truncate(length)
-            reason = error.strerror or error
-            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
-                  "the run goes on", file=sys.stderr, flush=True)
+            print(f"warning: could not write a row to {self.file.name} ({error.strerror or error}); it is left "
+                  "out, the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
-        if video:  # TensorBoard shows a video as an animated GIF; torch's add_video would need moviepy
-            import imageio.v3 as iio
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
-            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
-            image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
-            self.tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]),
-                                                     row["global_step"])
+        if video:
+            add_video_as_gif(self.tensorboard, video, row["global_step"])
         self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
@@ -1209,17 +977,103 @@ class Logger:
             self.wandb.finish()
 
 
+def drop_rows_after(path, iteration):
+    """A resumed run's metrics.jsonl without the rows of iterations after its checkpoint (or half a
+    line a crash left); returns the first global step to hide in TensorBoard (its purge_step)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    kept = [row for row in rows if row["iteration"] <= iteration]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+    return max((row["global_step"] for row in kept), default=-1) + 1
+
+
+def add_video_as_gif(tensorboard, video, step):
+    """TensorBoard shows a video as an animated GIF (torch's add_video would need moviepy)."""
+    import imageio.v3 as iio
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
+    gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
+    image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
+    tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]), step)
+
+
+def log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer,
+                  episode_returns, episode_lengths, recent_returns, losses, times):
+    """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's episodes
+    (added to `recent_returns`, the last 100), the `losses` (means over the ranks), the seconds of
+    the iteration's parts (`times`); SPS and the ETA count from `start`, the (time, global step)
+    where this process began training."""
+    episode_returns = gather(episode_returns)  # every rank's episodes count
+    episode_lengths = gather(episode_lengths)
+    recent_returns.extend(episode_returns)
+    elapsed = time.time() - start[0]
+    sps = (global_step - start[1]) / elapsed
+    gpu_memory = None
+    if device.type == "cuda":
+        gpu_memory = torch.cuda.max_memory_allocated() / 2**30
+    logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/episodes": len(episode_returns),
+                "charts/episodic_return": mean_or_none(episode_returns),
+                "charts/episodic_length": mean_or_none(episode_lengths),
+                "charts/episodic_return_last100": mean_or_none(recent_returns),
+                **{f"losses/{key}": value for key, value in losses.items()},
+                **{f"time/{key}": seconds for key, seconds in times.items()},
+                "perf/gpu_memory_gb": gpu_memory})
+    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # steps per iteration
+    timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in times.items())
+    returns = "-"
+    if episode_returns:
+        returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
+    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
+          f"ETA {eta:.1f} min | return {returns} | pg {losses['policy_loss']:.3f} v "
+          f"{losses['value_loss']:.3f} ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}",
+          flush=True)
+
+
+def mean_or_none(values):
+    return float(np.mean(values)) if len(values) else None
+
+
+def checkpoint_state(args, run_name, iteration, agent, optimizer, normalizer, kl_beta):
+    """All that --resume continues from after `iteration`, in one dict of tensors and plain data
+    (what torch.load(weights_only=True) reads): the weights, the optimizer, kl-penalty's beta, the
+    flags and every rank's own reward statistics and RNG states (a collective: all ranks call it)."""
+    ranks = gather([rank_state(reward_statistics(normalizer))])
+    return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
+            "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta,
+            "args": asdict(args), "run_name": run_name, "ranks": ranks}
+
+
+def restore(checkpoint, args, rank, agent, optimizers, normalizer):
+    """A checkpoint's weights; with --resume also its `optimizers` (by their keys in it) and this
+    rank's reward statistics and RNG states. Then rank 0's weights on every rank (a new run's too).
+    Returns the first iteration to train."""
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["agent"])
+    for tensor in agent.state_dict().values() if dist.is_initialized() else ():
+        dist.broadcast(tensor, src=0)
+    if not args.resume:
+        return 1
+    for key, optimizer in optimizers.items():
+        optimizer.load_state_dict(checkpoint[key])
+    restore_rank_state(checkpoint["ranks"][rank], normalizer)
+    print(f"resuming {checkpoint['run_name']} at iteration {checkpoint['iteration'] + 1}")
+    return checkpoint["iteration"] + 1
+
+
 # Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
 # logging only.
 RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
                  "wandb_project", "wandb_entity", "wandb_mode")
 
 
-def save_checkpoint(path, **state):
+def save_checkpoint(path, state):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
     plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
     prints one line with the file, the error and the size needed, leaves no temporary file and
-    returns False: the run goes on and retries at its next save (`Run.end_iteration`)."""
+    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
     try:
@@ -1302,7 +1156,8 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means
+    unset."""
     for flag in (*positive, *non_negative, *fractions):
         value = getattr(args, flag)
         name = "--" + flag.replace("_", "-")
@@ -1341,10 +1196,6 @@ def check_args(args):
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
     require(args.policy_loss == "clip" or args.kl_beta is not None or args.target_kl is not None, "--policy-loss "
             "kl-penalty adapts beta towards --target-kl: give one (the PPO paper's best is 0.01) or fix --kl-beta")
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured

@@ -11,7 +11,6 @@ import contextlib
 import copy
 import datetime
 import functools
-import gzip
 import io
 import json
 import math
@@ -30,9 +29,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
-# Before any process group exists: torch.distributed.nn takes group.WORLD as a default argument, so
-# imported later (torch.optim imports it on first use) it would keep the group and gloo's threads
-# alive past destroy_process_group, and such a thread can abort the process as it exits.
+# Now, before any process group: imported later (by torch.optim) gloo's threads may abort the exit.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -170,6 +167,32 @@ def make_env(args, num_envs):
                          args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
+
+
+class NormalizeReward(gym.vector.VectorWrapper):
+    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
+    updates the statistics `return_rms`, and G restarts after an episode's last step, so G_T keeps
+    the episode's history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T)."""
+
+    def __init__(self, env, gamma, epsilon=1e-8):
+        super().__init__(env)
+        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
+        self.returns = np.zeros(self.num_envs)
+        self.gamma = gamma
+        self.epsilon = epsilon
+
+    def reset(self, *, seed=None, options=None):
+        self.returns = np.zeros(self.num_envs)  # fresh games
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.return_rms.update(self.returns)
+        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
+        return obs, reward, terminated, truncated, info
 
 
 def normed_(layer, scale):
@@ -409,6 +432,12 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
 UNROLL_TENSORS = ("obs", "actions", "behaviour_logits", "rewards", "dones")
 
 
+def clip_grad_norms(optimizer, max_grad_norm):
+    """Clip the gradient norm of each parameter group on its own (PPO: one group; PPG: one per
+    network: the value network's gradient cannot shrink the policy's step). Returns the norms before."""
+    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+
+
 def vtrace_backward(policy, optimizer, batch, args, autocast):
     """The IMPALA learner's loss and gradients on unrolls laid out as `collect_unroll` returns them
     ([T+1, B] frames, [T, B] the rest); the caller steps the optimizer. pi's logits and values are
@@ -499,7 +528,6 @@ class Actor:
         """Play unroll n with parameters at most k updates old (exactly k with --deterministic-lag);
         repeat until stopped."""
         args = self.args
-        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank).
         obs = torch.as_tensor(self.envs.reset(seed=self.seed)[0], device=self.device)
         unroll_index = self.first_version
         while True:
@@ -533,82 +561,110 @@ class Actor:
             return unroll
         raise self.errors[0]
 
-    def stop(self):
+    def close(self):
         """The actor finishes its unroll (or its wait for parameters) and returns; then its stream's
         work is waited for. Bounded and never raises (see `end_thread`): the games and the process
-        group are closed after it."""
+        group are closed after it (`close_run`)."""
         self.stopping.set()
         end_thread(self.thread, self.stream)
 
 
 def train(args):
-    run = Run(args, split_threads=actor_learner_threads)  # as PPO's; the actor and learner share the cores
-    args = run.args  # a resumed run continues with its checkpoint's flags
-    device = run.device
+    args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
+    args.env_threads, torch_threads = actor_learner_threads(args, device)  # actor and learner share the cores
+    torch.set_num_threads(torch_threads)
+    run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
     # One update per unroll of all games: an iteration is updates_per_iteration unrolls.
     steps_per_update = args.num_envs * args.unroll_length
     steps_per_iteration = args.updates_per_iteration * steps_per_update
-    num_iterations = run.count_iterations(steps_per_iteration)
+    num_iterations = count_iterations(args, steps_per_iteration, device)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    policy = run.load_agent(agent)  # a checkpoint's weights, alike on all ranks; --compile
-    if args.eval_only:
-        return run.evaluate_checkpoint()
+    envs = make_env(args, args.num_envs // world_size)  # this rank's games, all stepped by its actor
+    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer}, envs.env)
+    policy = torch.compile(agent) if args.compile else agent  # the same weights
+    if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
+        return evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs)
 
-    envs = make_env(args, run.local_envs)  # this rank's games, all stepped by its actor
     # version: the learner's updates so far, the number of the parameters it publishes; update n
-    # trains on unroll n.
-    version = run.resume(envs.env, optimizers={"optimizer": optimizer}, updates=0)["updates"]
-    run.keep(reward_rms=reward_statistics(envs.env))  # after the last unroll trained on
+    # trains on unroll n. A run stopped inside an iteration continues it (`unfinished`).
+    version = checkpoint["updates"] if args.resume else 0
+    unfinished = checkpoint.get("unfinished") if args.resume else None
+    reward_rms = reward_statistics(envs.env)  # the normalizer after the last unroll trained on
     snapshots = PolicySnapshots(keep=args.max_policy_lag + 1 if args.deterministic_lag else 1)
     snapshots.publish(version, agent.parameters(), device)
-    actor = Actor(agent, envs, snapshots, args, device, first_version=version, seed=run.env_seed,
-                  autocast=autocast)
-    global_step = (run.start_iteration - 1) * steps_per_iteration
-    # A signal stops after the current update, a non-finite gradient before its step; the actor first.
-    failure_message = functools.partial(nonfinite_update_message, run)  # counted in updates
-    start_step = version * steps_per_update  # SPS over this run's steps (it may resume mid-iteration)
-    with run.guard(envs, on_stop=actor.stop, failure_message=failure_message, start_step=start_step):
-        actor.start()
-        for iteration in range(run.start_iteration, num_iterations + 1):
-            run.anneal_learning_rate(iteration)
-            # The iteration's record: empty, or that of a run stopped inside it (going on from there).
-            lags, stats, episode_returns, episode_lengths = unfinished_iteration(run)
-            for update in range(len(stats), args.updates_per_iteration):
-                # 1. Take the next unroll the actor played.
-                with run.timer("wait"):
+    # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
+    seed = args.seed + (start_iteration - 1) * world_size + rank
+    actor = Actor(agent, envs, snapshots, args, device, first_version=version, seed=seed, autocast=autocast)
+    global_step = (start_iteration - 1) * steps_per_iteration
+    start = (time.time(), version * steps_per_update)  # SPS and the ETA count this process's steps
+    recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    # A signal stops after the current update, with a checkpoint; leaving stops the actor first
+    with StopOnSignal(args, checkpoint, device, closing=(actor, envs, logger)) as stop:
+        try:
+            actor.start()
+            for iteration in range(start_iteration, num_iterations + 1):
+                if args.anneal_lr:  # linearly to 0 over the run
+                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
+                # The iteration's record: empty, or that of a run stopped inside it (going on from there).
+                lags, stats, episode_returns, episode_lengths = iteration_record(unfinished, rank, device)
+                unfinished = None
+                times = collections.Counter()
+                for update in range(len(stats), args.updates_per_iteration):
+                    # 1. Take the next unroll the actor played.
+                    wait_start = time.perf_counter()
                     unroll = actor.next_unroll()
-                lags.append(version - unroll["version"])  # updates between mu's parameters and now
-                episode_returns += unroll["episode_returns"]
-                episode_lengths += unroll["episode_lengths"]
+                    lags.append(version - unroll["version"])  # updates between mu's parameters and now
+                    episode_returns += unroll["episode_returns"]
+                    episode_lengths += unroll["episode_lengths"]
 
-                # 2. V-trace and one gradient step; then publish the new parameters as version + 1.
-                with run.timer("learn"):
+                    # 2. V-trace and one gradient step; then publish the new parameters as version + 1.
+                    learn_start = time.perf_counter()
                     stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
                     optimizer.step()
                     version += 1
                     snapshots.publish(version, agent.parameters(), device)
-                run.keep(reward_rms=unroll["reward_rms"], updates=version)  # what a checkpoint holds
-                run.times["actor_wait"] += unroll["actor_wait"]  # the actor waiting for parameters
-                run.times["actor_play"] += unroll["actor_play"]  # and playing this unroll
-                # A signal stops here, all ranks after the same update (after the last one: at the
-                # iteration's end, with its row).
-                if update < args.updates_per_iteration - 1 and run.signalled():
-                    record = (lags, stats, episode_returns, episode_lengths)
-                    stop_after_update(run, version * steps_per_update, record)
-            global_step += steps_per_iteration
+                    reward_rms = unroll["reward_rms"]  # the normalizer as this unroll left it
+                    times.update(wait=learn_start - wait_start, learn=time.perf_counter() - learn_start,
+                                 actor_wait=unroll["actor_wait"], actor_play=unroll["actor_play"])
+                    # A signal stops here, all ranks after the same update (after the last one: at the
+                    # iteration's end, with its row); the checkpoint keeps the iteration's record so far.
+                    if update < args.updates_per_iteration - 1 and stop.requested():
+                        actor.close()  # it plays no further while the checkpoint is written
+                        record = (lags, stats, episode_returns, episode_lengths)
+                        steps_trained = global_step + (update + 1) * steps_per_update
+                        state = checkpoint_state(args, run_name, iteration - 1, steps_trained, agent, optimizer,
+                                                 reward_rms, version, record)
+                        stop.save(checkpoint_path, state, final=False)
+                        stop.exit(iteration - 1)
+                global_step += steps_per_iteration
 
-            # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
-            # or stop where the flags or a signal ask.
-            losses = mean_over_updates(stats)
-            lag_columns, lag_note = policy_lag_columns(lags, args.max_policy_lag)
-            run.log_iteration(iteration, global_step, episode_returns, episode_lengths, losses,
-                              columns=lag_columns, note=lag_note)
-            run.end_iteration(iteration, global_step)
-    return run.run_dir
+                # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
+                # and stop where the flags or a signal ask.
+                log_iteration_and_lags(logger, device, iteration, num_iterations, global_step, start, optimizer,
+                                       episode_returns, episode_lengths, recent_returns, mean_over_updates(stats),
+                                       times, lags, args.max_policy_lag)
+                if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
+                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
+                                     recent_returns)
+                stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
+                if stopping:
+                    actor.close()  # it plays no further while the checkpoint is written
+                if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
+                    state = checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms,
+                                             version)
+                    stop.save(checkpoint_path, state, final=iteration == num_iterations)
+                if stopping:
+                    stop.exit(iteration)
+        except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
+            actor.close()
+            state = checkpoint_state(args, run_name, iteration - 1, global_step, agent, optimizer, reward_rms, version)
+            exit_nonfinite_update(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
+    return run_dir
 
 
 # ---- Appendix: plumbing ----
@@ -633,59 +689,54 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-ANCHOR_LABELS = {"ppo": "official PPO (PPG paper)", "ppg": "official PPG",
-                 "ppgsingle": "official PPG single-network", "ppgkl": "official PPG-KL",
-                 "easy-all": "official baselines PPO (easy-all)"}
-REFERENCES = {}  # benchmarks/reference's curves, read once
+def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
+                     recent_returns):
+    """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
+    --capture-video and, with --on-track, sets the last 100 training episodes (`recent_returns`)
+    against the anchors' runs at this step."""
+    video = None
+    if args.capture_video and rank == 0:
+        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4")
+    start = time.perf_counter()
+    num_episodes = len(range(rank, args.eval_episodes, world_size))
+    seed = args.seed + 10**6 + iteration * world_size + rank
+    eval_return = float(np.mean(gather(evaluate(agent, args, device, num_episodes, seed, video))))
+    score = normalized_score(args.env_id, args.distribution_mode, eval_return)
+    logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
+    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
+          "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
+          + (f", video {video}" if video else ""))
+    training_return = mean_or_none(recent_returns)
+    if args.on_track and rank == 0 and training_return is not None:
+        line = on_track_line(args, global_step, training_return)
+        if line is not None:
+            print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
 
-def anchor_name(args):
-    """Which anchor's runs (benchmarks/reference/) this script and its flags reproduce, if any."""
-    script = os.path.basename(__file__)
-    if script == "ppo_procgen.py":
-        return "ppo"
-    if script != "ppg_procgen.py":
+def on_track_line(args, global_step, training_return):
+    """The line of benchmarks/reference/on_track.py (the rules `benchmarks/results.py --on-track`
+    uses too) for this run at this step; None where no anchor matches or the script runs without
+    benchmarks/."""
+    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
+    sys.path.insert(0, rules)
+    try:
+        import on_track
+    except ImportError:
         return None
-    if args.policy_loss == "kl-penalty":
-        return "ppgkl"
-    return {"dual": "ppg", "detach": "ppgsingle"}[args.arch]
+    finally:
+        sys.path.remove(rules)
+    run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
+    return on_track.run_on_track_line(run_args, global_step, training_return)
 
 
-def reference_line(script_dir, env_id, distribution_mode, algorithm, global_step, our_return):
-    """'On track?': `our_return` at `global_step` against the anchors' seeds there, as
-    `benchmarks/results.py --on-track` prints it: their mean [min, max]. None where no reference
-    exists (PPO: easy = baselines' easy-all, hard = the PPG paper's PPO; PPG: hard only)."""
-    experiment = algorithm
-    source = "phasic_policy_gradient"
-    if (distribution_mode, algorithm) == ("easy", "ppo"):
-        experiment = "easy-all"
-        source = "train_procgen"
-    path = os.path.join(script_dir, "benchmarks", "reference", f"{source}.json.gz")
-    if algorithm is None or our_return is None or not os.path.exists(path):
-        return None
-    if distribution_mode != "hard" and experiment != "easy-all":
-        return None
-    if path not in REFERENCES:
-        with gzip.open(path, "rt") as f:
-            REFERENCES[path] = json.load(f)
-    data = REFERENCES[path]
-    values = []
-    for seed in data["experiments"].get(experiment, {}).get("seeds", []):
-        curve = data["curves"][seed].get(env_id, {"steps": [], "returns": []})
-        points = [(step, value) for step, value in zip(curve["steps"], curve["returns"]) if value is not None]
-        if not points or not points[0][0] <= global_step <= points[-1][0]:
-            return None
-        steps, returns = zip(*points)
-        values.append(float(np.interp(global_step, steps, returns)))
-    if not values:
-        return None
-    where = "within"
-    if our_return < min(values):
-        where = "below"
-    if our_return > max(values):
-        where = "above"
-    return (f"{env_id} @ {global_step / 1e6:.1f}M: ours {our_return:.1f} vs {ANCHOR_LABELS[experiment]} "
-            f"{np.mean(values):.1f} [{min(values):.1f}, {max(values):.1f}] ({where})")
+def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
+    """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
+    process group are closed. Returns the run's directory."""
+    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
+                     checkpoint["iteration"], checkpoint["global_step"], recent_returns=())
+    close_run(envs, logger)
+    return run_dir
 
 
 @torch.no_grad()
@@ -711,12 +762,12 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
             frames.append(obs[0])
     envs.close()
     if video_path:
-        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # 64x64 -> 256x256
+        write_video(video_path, [frame.repeat(4, 0).repeat(4, 1) for frame in frames])  # to 256x256
     return returns.tolist()
 
 
 def write_video(path, frames, fps=15):
-    import imageio.v3 as iio  # through PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old to import)
+    import imageio.v3 as iio  # via PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old)
     iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
     os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
 
@@ -736,7 +787,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
     def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym, which prints a notice
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
             from procgen import ProcgenGym3Env
         self._make = functools.partial(  # the games, once reset gives their seed
             ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
@@ -749,7 +800,7 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed when none is given
+        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed if none is given
         if self.env is not None:
             self.env.close()
         if seed is None:
@@ -768,362 +819,46 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             self.env.close()
 
 
-class NormalizeReward(gym.vector.VectorWrapper):
-    """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
-    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
-    updates the statistics, and G restarts after an episode's last step, so G_T keeps the episode's
-    history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T). The statistics
-    are `return_rms` (mean, var, count), as checkpoints keep them."""
+def start_run(args):
+    """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its
+    checkpoint's flags (only RUNTIME_FLAGS from the command line), and those are checked; then
+    torchrun's process group, this rank's device and seeds. Returns (args, checkpoint or None,
+    rank, world_size, device)."""
+    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
+    for flag in ("checkpoint", "resume"):
+        path = getattr(args, flag)
+        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    checkpoint = None
+    if args.resume or args.eval_only:
+        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+    check_args(args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's statistics, RNGs: its own
+    saved_ranks = len(checkpoint["ranks"]) if args.resume else world_size
+    require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: "
+            f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
+    rank, world_size, device = setup_distributed(args)
+    # Each rank its own actions and minibatches (and its own levels).
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
+    return args, checkpoint, rank, world_size, device
 
-    def __init__(self, env, gamma, epsilon=1e-8):
-        super().__init__(env)
-        self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
-        self.returns = np.zeros(self.num_envs)
-        self.gamma = gamma
-        self.epsilon = epsilon
 
-    def reset(self, *, seed=None, options=None):
-        self.returns = np.zeros(self.num_envs)  # fresh games
-        return self.env.reset(seed=seed, options=options)
-
-    def step(self, actions):
-        obs, reward, terminated, truncated, info = self.env.step(actions)
-        self.returns = self.returns * self.gamma + reward
-        self.return_rms.update(self.returns)
-        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
-        self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
-        return obs, reward, terminated, truncated, info
-
-
-
-class Run:
-    """Everything a training run does besides its algorithm, for PPO, PPG and IMPALA alike. In the
-    order `train` calls it: `Run(args)` checks the flags, loads a checkpoint to resume or evaluate,
-    joins torchrun, seeds, splits the threads and opens the log; `count_iterations`, `load_agent`,
-    `resume` (optimizers by their checkpoint keys, extra state as keywords); then `guard` around the
-    loop, `timer` blocks, `log_iteration` and `end_iteration`."""
-
-    def __init__(self, args, prepare=None, split_threads=None):
-        """`prepare(args, device, world_size)`, if given, runs once the device is known and before anything is
-        allocated or written (PPG: where its auxiliary buffer fits); its result is `self.prepared`.
-        `split_threads(args, device) -> (env_threads, torch_threads)` replaces `thread_split` (IMPALA: its actor
-        and learner share the cores)."""
-        check_args(args)
-        self.checkpoint = None
-        if args.resume or args.eval_only:
-            self.checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
-            # Each rank's reward statistics and RNG states are its own.
-            saved_ranks = len(self.checkpoint["ranks"])
-            same_ranks = saved_ranks == int(os.environ.get("WORLD_SIZE", 1))
-            require(args.eval_only or same_ranks, f"--resume {args.resume} was written by {saved_ranks} ranks: "
-                    f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
-        self.args = args
-        self.rank, self.world_size, self.device = setup_distributed(args)
-        self.local_envs = args.num_envs // self.world_size
-        self.start_iteration = 1
-        self.prepared = None  # before the run directory: a refusal leaves nothing behind
-        if prepare is not None and not args.eval_only:
-            self.prepared = prepare(args, self.device, self.world_size)
-        self.saved = None  # (iteration, path) of the last checkpoint written
-        if args.resume:
-            self.start_iteration = self.checkpoint["iteration"] + 1
-            self.saved = (self.checkpoint["iteration"], args.resume)
-            self.run_name = self.checkpoint["run_name"]
-            self.run_dir = os.path.dirname(os.path.abspath(args.resume))
-            require(os.access(self.run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        else:  # a directory no other run uses; an unwritable runs/ stops here, before anything big
-            eval_suffix = "__eval" if args.eval_only else ""
-            seconds = int(time.time())
-            base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{seconds}{eval_suffix}"
-            self.run_name, self.run_dir = create_run_dir(base_name, self.rank)
-        # Each rank its own actions and minibatches (and its own levels).
-        random.seed(args.seed + self.rank)
-        np.random.seed(args.seed + self.rank)
-        torch.manual_seed(args.seed + self.rank)
-        torch.backends.cudnn.deterministic = args.torch_deterministic
-        # Autotuned kernels are faster, not reproducible.
-        torch.backends.cudnn.benchmark = not args.torch_deterministic
-        if split_threads is None:
-            split_threads = thread_split
-        args.env_threads, torch_threads = split_threads(args, self.device)
-        torch.set_num_threads(torch_threads)
-        resume_iteration = self.start_iteration - 1 if args.resume else None
-        self.logger = Logger(args, self.run_name, self.run_dir, self.rank, resume_iteration)
-        self.completed = self.start_iteration - 1  # iterations done (and checkpointed)
-        # A resumed run starts new episodes in fresh games, seeded by (seed, iteration, rank) so no
-        # level is replayed.
-        self.env_seed = args.seed + (self.start_iteration - 1) * self.world_size + self.rank
-        self.agent = None
-        self.optimizers = {}
-        self.normalizer = None
-        self.state = {}  # what checkpoints hold besides weights, optimizers and RNGs (PPO: kl_beta)
-        self.reward_rms = None  # from `keep` where the normalizer runs ahead (IMPALA's actor)
-        self.times = collections.Counter()
-        self.recent_returns = collections.deque(maxlen=100)
-        self.interrupted = []
-        self.on_stop = None
-        self.last_cycle_seconds = None  # between the last two `stage` ends (PPG: a phase)
-
-    def count_iterations(self, steps_per_iteration):
-        """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps."""
-        args = self.args
-        self.steps_per_iteration = steps_per_iteration
-        self.num_iterations = args.total_timesteps // steps_per_iteration
-        trained_steps = self.num_iterations * steps_per_iteration
-        if trained_steps != args.total_timesteps and not args.eval_only:
-            iterations = self.num_iterations
-            print(f"note: training {trained_steps:,} steps ({iterations} whole iterations)")
-        if self.device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
-            print(CPU_NOTE)
-        return self.num_iterations
-
-    def load_agent(self, agent):
-        """The checkpoint's weights (if any), rank 0's on every rank; returns the network to call,
-        compiled with --compile (it shares the weights)."""
-        if self.checkpoint is not None:
-            agent.load_state_dict(self.checkpoint["agent"])
-        for tensor in agent.state_dict().values() if dist.is_initialized() else ():
-            dist.broadcast(tensor, src=0)
-        self.agent = agent
-        return torch.compile(agent) if self.args.compile else agent
-
-    def resume(self, normalizer, optimizers, **state):
-        """`optimizers` by the keys checkpoints keep them under ({"optimizer": ...}; PPG adds
-        "aux_optimizer") and the algorithm's `state` with its starting values. With --resume all get
-        the checkpoint's values, and this rank its reward statistics and RNG states. Returns the
-        state to continue from."""
-        self.normalizer = normalizer
-        self.optimizers = optimizers
-        self.state = dict(state)
-        if self.args.resume:
-            for key, optimizer in optimizers.items():
-                optimizer.load_state_dict(self.checkpoint[key])
-            restore_rank_state(self.checkpoint["ranks"][self.rank], normalizer)
-            self.state = {key: self.checkpoint[key] for key in state}
-            print(f"resuming {self.run_name} at iteration {self.start_iteration}")
-        return dict(self.state)
-
-    def keep(self, reward_rms=None, **state):
-        """Update what the next checkpoint holds (also one a non-finite gradient writes mid-iteration)."""
-        if reward_rms is not None:
-            self.reward_rms = reward_rms
-        self.state.update(state)
-
-    def checkpoint_state(self, iteration):
-        reward_rms = self.reward_rms
-        if reward_rms is None:
-            reward_rms = reward_statistics(self.normalizer)
-        optimizers = {key: optimizer.state_dict() for key, optimizer in self.optimizers.items()}
-        global_step = iteration * self.steps_per_iteration
-        ranks = gather([rank_state(reward_rms)])  # every rank's own state
-        return dict(agent=self.agent.state_dict(), **optimizers, iteration=iteration, global_step=global_step,
-                    **self.state, args=asdict(self.args), run_name=self.run_name, ranks=ranks)
-
-    def anneal_learning_rate(self, iteration):
-        """With --anneal-lr, every optimizer's rate falls linearly to 0 over the run."""
-        if not self.args.anneal_lr:
-            return
-        learning_rate = self.args.learning_rate * (1.0 - (iteration - 1) / self.num_iterations)
-        for optimizer in self.optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
-
-    @contextlib.contextmanager
-    def timer(self, name):
-        """Adds the block's seconds to this iteration's time/<name> column (and its console line)."""
-        self.times[name] += 0.0  # columns in the order their timers first start
-        start = time.time()
-        yield
-        self.times[name] += time.time() - start
-
-    @contextlib.contextmanager
-    def stage(self, name, iteration, global_step, since=None):
-        """An algorithm's own stage between iterations (PPG: its auxiliary phase). The losses put in
-        the dict yielded go to a row of their own with time/<name> and, with `since`, time/<since>:
-        the seconds from the previous stage's end to this one's start; a console line shows both."""
-        stats = {}
-        start = time.time()
-        yield stats
-        seconds = {name: time.time() - start}
-        if since is not None:
-            seconds = {since: start - self.stage_end, **seconds}
-        self.last_cycle_seconds = time.time() - self.stage_end
-        self.logger.log({"global_step": global_step, "iteration": iteration, **stats,
-                         **{f"time/{key}": value for key, value in seconds.items()}})
-        timers = ", ".join(f"{key.replace('_', ' ')} {value:.1f}s" for key, value in seconds.items())
-        losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
-        print(f"{name.replace('_', ' ')}: {timers} | {losses}", flush=True)
-        self.stage_end = time.time()
-
-    @contextlib.contextmanager
-    def guard(self, envs, on_stop=None, failure_message=None, start_step=None):
-        """Around the training loop: signals only ask to stop (see `catch_interrupt` and
-        `end_iteration`); a non-finite gradient saves the weights before that step and exits with
-        one line (`failure_message(error, path)` words it, where given); every exit closes the
-        games, the log and the process group. `on_stop` ends threads of the algorithm's own
-        (IMPALA's actor) before any checkpoint is written and at the end. `start_step`: the steps
-        trained before this process started (a resumed run may have trained part of an iteration)."""
-        self.interrupted = catch_interrupt()
-        self.on_stop = on_stop
-        self.start_time = time.time()
-        self.stage_end = self.start_time
-        self.start_step = start_step
-        if start_step is None:
-            self.start_step = (self.start_iteration - 1) * self.steps_per_iteration
-        try:
-            yield
-        except FloatingPointError as error:  # raised before the step that would put a NaN in weights
-            self.stop_threads()
-            path = os.path.join(self.run_dir, "checkpoint_nonfinite.pt")
-            if not save_checkpoint(path, **self.checkpoint_state(self.completed)):
-                raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); "
-                                 f"{self.last_saved()}")
-            if failure_message is not None:
-                raise SystemExit(failure_message(error, path))
-            raise SystemExit(f"error: {error} after iteration {self.completed}; the weights before that step "
-                             f"are saved in {path} (evaluate them with --eval-only --checkpoint; a new run "
-                             "with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-        except KeyboardInterrupt:  # a second signal (`catch_interrupt`): stop at once, in one line
-            signum = self.interrupted[-1] if self.interrupted else signal.SIGINT
-            name = signal.Signals(signum).name
-            print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
-            raise SystemExit(128 + signum)
-        finally:  # closing is short and bounded: a further signal must not cut it off half done
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.stop_threads()
-            envs.close()
-            self.logger.close()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    def stop_threads(self):
-        if self.on_stop is not None:
-            self.on_stop()
-
-    def log_iteration(self, iteration, global_step, episode_returns, episode_lengths, losses, columns=None,
-                      note="", seconds_per_iteration=None):
-        """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's
-        episodes, the `losses` (already averaged over the ranks), the algorithm's own `columns`, the
-        timers. The ETA assumes `seconds_per_iteration` for each iteration to come (default: the
-        steps per second so far); `note` goes after it on the console."""
-        episode_returns = gather(episode_returns)  # every rank's episodes count
-        episode_lengths = gather(episode_lengths)
-        self.recent_returns.extend(episode_returns)
-        elapsed = time.time() - self.start_time
-        sps = (global_step - self.start_step) / elapsed
-        learning_rate = next(iter(self.optimizers.values())).param_groups[0]["lr"]
-        gpu_memory = None
-        if self.device.type == "cuda":
-            gpu_memory = torch.cuda.max_memory_allocated() / 2**30
-        self.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
-                         "charts/learning_rate": learning_rate, "charts/episodes": len(episode_returns),
-                         "charts/episodic_return": mean_or_none(episode_returns),
-                         "charts/episodic_length": mean_or_none(episode_lengths),
-                         "charts/episodic_return_last100": mean_or_none(self.recent_returns),
-                         **{f"losses/{key}": value for key, value in losses.items()}, **(columns or {}),
-                         **{f"time/{key}": seconds for key, seconds in self.times.items()},
-                         "perf/gpu_memory_gb": gpu_memory})
-        self.completed = iteration
-        if seconds_per_iteration is None:
-            seconds_per_iteration = self.steps_per_iteration / sps
-        eta = (self.num_iterations - iteration) * seconds_per_iteration / 60
-        timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in self.times.items())
-        returns = "-"
-        if episode_returns:
-            returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
-        print(f"iter {iteration}/{self.num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | ETA "
-              f"{eta:.1f} min{note} | return {returns} | pg {losses['policy_loss']:.3f} v {losses['value_loss']:.3f}"
-              f" ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}", flush=True)
-        self.times = collections.Counter()
-
-    def end_iteration(self, iteration, global_step, may_stop=True, reward_rms=None, **state):
-        """Evaluate and save a checkpoint where the flags ask, with `state` (see `keep`); then, if
-        any rank caught a signal, save and exit with 128 + its number, all ranks here together.
-        `may_stop=False` (PPG inside a phase) leaves the stop to a later iteration."""
-        self.keep(reward_rms, **state)
-        args = self.args
-        if args.eval_every and iteration % args.eval_every == 0 or iteration == self.num_iterations:
-            self.evaluate(iteration, global_step)
-        if args.save_model and (iteration % args.save_every == 0 or iteration == self.num_iterations):
-            # A failed save is retried at the next; if the last one fails, the run fails (exit 1).
-            require(self.save(iteration) or iteration < self.num_iterations,
-                    f"the final checkpoint could not be written (see above); {self.last_saved()}")
-        if self.signalled() and may_stop:  # every rank asks every iteration; nothing is half done
-            self.stop(iteration)
-
-    def signalled(self):
-        """Whether any rank caught a signal. Every rank asks at the same point, so all agree where to
-        stop: one all-reduce of a scalar under torchrun, nothing (no host sync) in one process."""
-        if not dist.is_initialized():
-            return bool(self.interrupted)
-        caught = torch.tensor(float(bool(self.interrupted)), device=self.device)
-        return bool(all_reduce_mean(caught) > 0)
-
-    def stop(self, iteration, what=None, **extra):
-        """A signal's stop: the algorithm's threads first, then a checkpoint of `iteration` with the
-        kept state and `extra` (entries that replace or add to it), then exit with 128 + the signal's
-        number. `what` words what was saved (default "iteration N")."""
-        signum = self.interrupted[0] if self.interrupted else signal.SIGTERM
-        name = signal.Signals(signum).name
-        if what is None:
-            what = f"iteration {iteration}"
-        self.stop_threads()
-        if self.save(iteration, **extra):
-            print(f"interrupted by {name}: saved {what} to {self.run_dir}/checkpoint.pt; continue with --resume")
-        else:
-            print(f"interrupted by {name}: {what} could not be saved; {self.last_saved()}", flush=True)
-        raise SystemExit(128 + signum)
-
-    def save(self, iteration, **extra):
-        """checkpoint.pt for `iteration` (`extra`: entries that replace or add to `checkpoint_state`'s);
-        False (after one line) where the write failed."""
-        path = os.path.join(self.run_dir, "checkpoint.pt")
-        saved = save_checkpoint(path, **{**self.checkpoint_state(iteration), **extra})
-        if saved:
-            self.saved = (iteration, path)
-        return saved
-
-    def last_saved(self):
-        if self.saved is None:
-            return "no checkpoint of this run was saved"
-        iteration, path = self.saved
-        return f"the last checkpoint is iteration {iteration} in {path} (continue with --resume)"
-
-    def evaluate(self, iteration, global_step):
-        """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one."""
-        args = self.args
-        video = None
-        if args.capture_video and self.rank == 0:
-            video = os.path.join(self.run_dir, "videos", f"eval_{iteration:05d}.mp4")
-        start = time.time()
-        num_episodes = len(range(self.rank, args.eval_episodes, self.world_size))
-        seed = args.seed + 10**6 + iteration * self.world_size + self.rank
-        episode_returns = evaluate(self.agent, args, self.device, num_episodes, seed, video)
-        eval_return = float(np.mean(gather(episode_returns)))
-        score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-        self.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                         "eval/normalized_score": score, "time/eval": time.time() - start}, video)
-        print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
-              + (f", normalized score {score:.3f}" if score is not None else "")
-              + (f", video {video}" if video else ""))
-        if args.on_track and args.num_levels == 0 and self.rank == 0:
-            script_dir = os.path.dirname(os.path.abspath(__file__))
-            training_return = mean_or_none(self.recent_returns)
-            line = reference_line(script_dir, args.env_id, args.distribution_mode, anchor_name(args), global_step,
-                                  training_return)
-            if line is not None:
-                print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
-
-    def evaluate_checkpoint(self):
-        """--eval-only: evaluate the checkpoint's agent and close the log; returns the run's directory."""
-        self.evaluate(self.checkpoint["iteration"], self.checkpoint["global_step"])
-        self.logger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return self.run_dir
+def open_run(args, checkpoint, rank):
+    """The run's directory (a resumed run's own, else a new one no other run shares; an unwritable
+    runs/ stops here, before anything big) and its log. Returns (run_name, run_dir, logger)."""
+    if args.resume:
+        run_name = checkpoint["run_name"]
+        run_dir = os.path.dirname(os.path.abspath(args.resume))
+        require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+    else:
+        suffix = "__eval" if args.eval_only else ""
+        base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
+        run_name, run_dir = create_run_dir(base_name, rank)
+    resume_iteration = checkpoint["iteration"] if args.resume else None
+    return run_name, run_dir, Logger(args, run_name, run_dir, rank, resume_iteration)
 
 
 def create_run_dir(base_name, rank):
@@ -1148,8 +883,16 @@ def create_run_dir(base_name, rank):
     return outcome[0], os.path.join("runs", outcome[0])
 
 
-def mean_or_none(values):
-    return float(np.mean(values)) if len(values) else None
+def count_iterations(args, steps_per_iteration, device):
+    """Whole iterations of `steps_per_iteration` environment steps in --total-timesteps, with a note
+    where that trains fewer steps, and the CPU note for a long run on a CPU."""
+    num_iterations = args.total_timesteps // steps_per_iteration
+    trained_steps = num_iterations * steps_per_iteration
+    if trained_steps != args.total_timesteps and not args.eval_only:
+        print(f"note: training {trained_steps:,} steps ({num_iterations} whole iterations)")
+    if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
+        print(CPU_NOTE)
+    return num_iterations
 
 
 def setup_distributed(args):
@@ -1167,11 +910,15 @@ def setup_distributed(args):
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all; errors still reach stderr
+    if args.cuda and not use_cuda:  # rank 0's line: the others' stdout is gone
+        print("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is "
+              "False); running on the CPU")
     return rank, int(os.environ.get("WORLD_SIZE", 1)), device
 
 
 def all_reduce_mean(tensor):
-    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one process."""
+    """In place: the mean of `tensor` over the ranks (each holds as much data); nothing to do in one
+    process."""
     if dist.is_initialized():
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
@@ -1199,50 +946,76 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
-def clip_grad_norms(optimizer, max_grad_norm):
-    """Clip the gradient norm of each of the optimizer's parameter groups on its own (PPO: one
-    group; PPG: one per network, so that the value network's gradient cannot shrink the policy's
-    step). Returns the norms before."""
-    return torch.stack([nn.utils.clip_grad_norm_(group["params"], max_grad_norm) for group in optimizer.param_groups])
+class StopOnSignal:
+    """A first Ctrl-C or SIGTERM (sent before a kill by SLURM, torchrun, ...) is only recorded: at an
+    iteration's end all ranks learn of it (`requested`), save and `exit`. A second one (not torchrun's
+    copy within 2 s) stops at once, in one line. Leaving closes `closing`, signals ignored."""
 
+    def __init__(self, args, checkpoint, device, closing):
+        self.device, self.closing = device, closing
+        self.signals, self.first_time = [], None
+        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None
 
-def thread_split(args, device):
-    """In the rollout the games step while the network waits and vice versa, so procgen's and
-    torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
-    procgen one thread (measured on 2 cores: 2 torch threads run the rollout and the update 1.6-1.9x
-    faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
-    thread for its bookkeeping."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
-    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
-    return env_threads, torch_threads
-
-
-def catch_interrupt():
-    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and torchrun send before they
-    kill a job) only records the signal; the training loop reads it where it can stop cleanly, saves
-    a checkpoint and exits with 128 + the signal's number, so a checkpoint never holds half an
-    update. A second signal stops at once, exit 128 + its number, with one line naming the last
-    checkpoint (`Run.guard`); under torchrun a process gets one Ctrl-C twice (from the terminal and
-    forwarded by torchrun), so a repeat within 2 s counts once. `Run.guard` restores the default
-    handlers when the loop ends."""
-    requested = []
-    first_time = []
-
-    def handler(signum, frame):
-        if requested and time.time() - first_time[0] > 2:
-            requested.append(signum)
-            raise KeyboardInterrupt  # `Run.guard` ends the run with one line
-        if requested:
+    def handler(self, signum, frame):
+        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy
             return
-        requested.append(signum)
-        first_time.append(time.time())
-        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a checkpoint (a second "
-              "signal stops at once)", flush=True)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return requested
+        self.signals.append(signum)
+        if len(self.signals) > 1:
+            raise KeyboardInterrupt  # `__exit__` ends the run with one line
+        self.first_time = time.perf_counter()
+        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a "
+              "checkpoint (a second signal stops at once)", flush=True)
+
+    def __enter__(self):
+        self.previous = {number: signal.signal(number, self.handler) for number in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        for signum in self.previous:
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
+                signum = (self.signals or [signal.SIGINT])[-1]
+                name = signal.Signals(signum).name
+                print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
+                raise SystemExit(128 + signum)
+        finally:
+            close_run(*self.closing)
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
+
+    def requested(self):
+        if not dist.is_initialized():  # one process: no all-reduce, no host sync
+            return bool(self.signals)
+        caught = torch.tensor(float(bool(self.signals)), device=self.device)
+        return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
+
+    def save(self, path, state, final):
+        if save_checkpoint(path, state):  # else one line; retried at the next save
+            self.last_checkpoint = (state["iteration"], path)
+        else:
+            require(not final, f"the final checkpoint could not be written (see above); {self.last_saved()}")
+
+    def exit(self, iteration):
+        signum = self.signals[0] if self.signals else signal.SIGTERM  # another rank caught it
+        outcome = f"iteration {iteration} could not be saved; {self.last_saved()}"
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == iteration:
+            outcome = f"saved iteration {iteration} to {self.last_checkpoint[1]}; continue with --resume"
+        print(f"interrupted by {signal.Signals(signum).name}: {outcome}", flush=True)
+        raise SystemExit(128 + signum)
+
+    def last_saved(self):
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run was saved"
+        return "the last checkpoint is iteration %d in %s (continue with --resume)" % self.last_checkpoint
+
+
+def close_run(*closing):
+    """The games and the log (what has a `close`), then torchrun's process group."""
+    for thing in closing:
+        thing.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Logger:
@@ -1256,15 +1029,10 @@ class Logger:
             return
         os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        purge_step = None
-        if resume_iteration is not None and os.path.exists(path):  # drop rows of iterations done after the checkpoint
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a crash may leave half a line
-            kept = [row for row in rows if row["iteration"] <= resume_iteration]
-            with open(path, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in kept)
-            purge_step = max((row["global_step"] for row in kept), default=-1) + 1  # TensorBoard hides what follows
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the run's flags, for benchmarks/results.py
+        purge_step = None  # TensorBoard hides the events from this step on
+        if resume_iteration is not None and os.path.exists(path):
+            purge_step = drop_rows_after(path, resume_iteration)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # its flags, for benchmarks/results.py
             json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
@@ -1288,20 +1056,13 @@ class Logger:
                 raise OSError(f"wrote {written} of {len(line)} bytes")
         except OSError as error:
             self.file.truncate(length)
-            reason = error.strerror or error
-            print(f"warning: could not write a row to {self.file.name} ({reason}); it is left out, "
-                  "the run goes on", file=sys.stderr, flush=True)
+            print(f"warning: could not write a row to {self.file.name} ({error.strerror or error}); it is left "
+                  "out, the run goes on", file=sys.stderr, flush=True)
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
-        if video:  # TensorBoard shows a video as an animated GIF; torch's add_video would need moviepy
-            import imageio.v3 as iio
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
-            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
-            image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
-            self.tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]),
-                                                     row["global_step"])
+        if video:
+            add_video_as_gif(self.tensorboard, video, row["global_step"])
         self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
@@ -1317,17 +1078,78 @@ class Logger:
             self.wandb.finish()
 
 
+def drop_rows_after(path, iteration):
+    """A resumed run's metrics.jsonl without the rows of iterations after its checkpoint (or half a
+    line a crash left); returns the first global step to hide in TensorBoard (its purge_step)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    kept = [row for row in rows if row["iteration"] <= iteration]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+    return max((row["global_step"] for row in kept), default=-1) + 1
+
+
+def add_video_as_gif(tensorboard, video, step):
+    """TensorBoard shows a video as an animated GIF (torch's add_video would need moviepy)."""
+    import imageio.v3 as iio
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
+    gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
+    image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
+    tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]), step)
+
+
+def mean_or_none(values):
+    return float(np.mean(values)) if len(values) else None
+
+
+def checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms, updates, record=None):
+    """All that --resume continues from after `iteration` and `updates` learner updates, in one dict
+    of tensors and plain data (what torch.load(weights_only=True) reads): the weights, the optimizer,
+    the flags, every rank's own reward statistics (`reward_rms`: after the last unroll trained on; the
+    actor is ahead) and RNG states, and for a stop inside the next iteration every rank's `record` of
+    it so far (lags, update statistics, episodes: `iteration_record` gives them back). `global_step`
+    counts the steps trained. A collective: all ranks call it."""
+    unfinished = None
+    if record is not None:
+        lags, stats, episode_returns, episode_lengths = record
+        unfinished = gather([{"lags": lags, "stats": [{key: float(value) for key, value in update.items()}
+                                                      for update in stats],
+                              "episode_returns": episode_returns, "episode_lengths": episode_lengths}])
+    ranks = gather([rank_state(reward_rms)])
+    return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
+            "global_step": global_step, "updates": updates, "unfinished": unfinished, "args": asdict(args),
+            "run_name": run_name, "ranks": ranks}
+
+
+def restore(checkpoint, args, rank, agent, optimizers, normalizer):
+    """A checkpoint's weights; with --resume also its `optimizers` (by their keys in it) and this
+    rank's reward statistics and RNG states. Then rank 0's weights on every rank (a new run's too).
+    Returns the first iteration to train."""
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["agent"])
+    for tensor in agent.state_dict().values() if dist.is_initialized() else ():
+        dist.broadcast(tensor, src=0)
+    if not args.resume:
+        return 1
+    for key, optimizer in optimizers.items():
+        optimizer.load_state_dict(checkpoint[key])
+    restore_rank_state(checkpoint["ranks"][rank], normalizer)
+    print(f"resuming {checkpoint['run_name']} at iteration {checkpoint['iteration'] + 1}")
+    return checkpoint["iteration"] + 1
+
+
 # Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
 # logging only.
 RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
                  "wandb_project", "wandb_entity", "wandb_mode")
 
 
-def save_checkpoint(path, **state):
+def save_checkpoint(path, state):
     """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
     plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
     prints one line with the file, the error and the size needed, leaves no temporary file and
-    returns False: the run goes on and retries at its next save (`Run.end_iteration`)."""
+    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
     try:
@@ -1410,7 +1232,8 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means unset."""
+    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means
+    unset."""
     for flag in (*positive, *non_negative, *fractions):
         value = getattr(args, flag)
         name = "--" + flag.replace("_", "-")
@@ -1439,12 +1262,7 @@ def check_args(args):
     steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     require(args.total_timesteps >= steps_per_iteration, f"--total-timesteps {args.total_timesteps} is less than "
             f"one iteration (updates_per_iteration * num_envs * unroll_length = {steps_per_iteration})")
-    require(args.correction in ("vtrace", "none"), f"--correction {args.correction!r}: choose vtrace or none")
     require(len(args.channels) > 0 and min(args.channels) > 0, f"--channels {args.channels} must be positive")
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
     if args.rho_bar < args.c_bar:
         print(f"warning: --rho-bar {args.rho_bar} < --c-bar {args.c_bar}: V-trace's analysis (IMPALA paper, "
               "Appendix A) assumes rho-bar >= c-bar", file=sys.stderr)
@@ -1456,7 +1274,7 @@ CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at abou
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 
 
-# ---- IMPALA's own plumbing: CUDA streams, the actor-learner thread split, logging the policy lag ----
+# ---- IMPALA's own plumbing: CUDA streams, thread split, lag log, a stop inside an iteration ----
 class PolicySnapshots:
     """The learner's parameters by version (version = updates so far): the learner publishes a copy
     after every update, the actor loads one into its own network before every unroll. Copies, never
@@ -1541,7 +1359,7 @@ def on_stream(stream):
 def end_thread(thread, stream, timeout=10.0):
     """Wait for the actor's thread to return (it was told to stop: at most the rest of an unroll),
     then for the work it queued on its CUDA stream, before the caller closes the games and the
-    process group and the learner's tensors are freed. Called from `Run.guard`'s `finally`, so it
+    process group and the learner's tensors are freed. Called from `StopOnSignal`'s exit, so it
     returns within about `timeout` seconds and never raises: a plain join would raise a Ctrl-C that
     arrives while it waits (a third signal) out of that `finally`, past the closing. Such a Ctrl-C
     is ignored until the thread has returned or the time is up: closing the games while the actor
@@ -1569,7 +1387,7 @@ def actor_learner_threads(args, device):
     learner split the cores for torch (measured on the 2-core machine with other jobs running: with 2
     threads the actor's forward passes ran 9-27x slower and the learner's updates 1.2-1.5x slower than
     with 1); procgen gets one thread. On GPU procgen gets the cores and torch one thread for its
-    bookkeeping. Returns (env_threads, torch_threads), as `thread_split` does for PPO."""
+    bookkeeping. Returns (env_threads, torch_threads), as ppo_procgen.py's `thread_split`."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
     env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
@@ -1584,54 +1402,64 @@ def mean_over_updates(stats):
     return dict(zip(stats[0], means.tolist()))
 
 
-def policy_lag_columns(lags, max_policy_lag):
-    """The iteration's policy lags (every rank's updates) as log columns: policy_lag/{mean, max} and
-    policy_lag/count_k for k = 0..max_policy_lag (updates whose unroll was played with parameters k
-    updates old); and the console's note."""
+def log_iteration_and_lags(logger, device, iteration, num_iterations, global_step, start, optimizer,
+                           episode_returns, episode_lengths, recent_returns, losses, times, lags, max_policy_lag):
+    """One row to metrics.jsonl (and TensorBoard, wandb) and one console line, as PPO's
+    `log_iteration`, with the iteration's policy lags (every rank's updates): policy_lag/{mean, max}
+    and policy_lag/count_k for k = 0..max_policy_lag, the updates whose unroll was played with
+    parameters k updates old. SPS and the ETA count from `start`, the (time, global step) where this
+    process began training (a resumed run may begin inside an iteration)."""
+    episode_returns = gather(episode_returns)  # every rank's episodes and lags count
+    episode_lengths = gather(episode_lengths)
     lags = gather(lags)
+    recent_returns.extend(episode_returns)
+    elapsed = time.time() - start[0]
+    sps = (global_step - start[1]) / elapsed
+    gpu_memory = None
+    if device.type == "cuda":
+        gpu_memory = torch.cuda.max_memory_allocated() / 2**30
     lag_counts = np.bincount(lags, minlength=max_policy_lag + 1).tolist()
-    columns = {"policy_lag/mean": mean_or_none(lags), "policy_lag/max": max(lags),
-               **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)}}
-    note = f" | lag {columns['policy_lag/mean']:.2f} (max {columns['policy_lag/max']})"
-    return columns, note
+    logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/episodes": len(episode_returns),
+                "charts/episodic_return": mean_or_none(episode_returns),
+                "charts/episodic_length": mean_or_none(episode_lengths),
+                "charts/episodic_return_last100": mean_or_none(recent_returns),
+                **{f"losses/{key}": value for key, value in losses.items()},
+                "policy_lag/mean": mean_or_none(lags), "policy_lag/max": max(lags),
+                **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)},
+                **{f"time/{key}": seconds for key, seconds in times.items()},
+                "perf/gpu_memory_gb": gpu_memory})
+    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # steps per iteration
+    timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in times.items())
+    returns = "-"
+    if episode_returns:
+        returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
+    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
+          f"ETA {eta:.1f} min | lag {mean_or_none(lags):.2f} (max {max(lags)}) | return {returns} | pg "
+          f"{losses['policy_loss']:.3f} v {losses['value_loss']:.3f} ent {losses['entropy']:.3f} kl "
+          f"{losses['approx_kl']:.4f}", flush=True)
 
 
-def stop_after_update(run, global_step, record):
-    """A signal's stop inside an iteration, between two updates: `Run.stop` with a checkpoint of the
-    iterations logged so far, of the updates trained since (the kept `updates`; `global_step` counts
-    their steps) and of every rank's `record` of them (lags, statistics, episodes:
-    `unfinished_iteration` gives them back)."""
-    lags, stats, episode_returns, episode_lengths = record
-    mine = {"lags": lags, "stats": [{key: float(value) for key, value in update.items()} for update in stats],
-            "episode_returns": episode_returns, "episode_lengths": episode_lengths}
-    unfinished = gather([mine])  # every rank's, for its resumed self
-    what = (f"iteration {run.completed} and {len(stats)} of iteration {run.completed + 1}'s "
-            f"{run.args.updates_per_iteration} updates")
-    run.stop(run.completed, what=what, global_step=global_step, unfinished=unfinished)
-
-
-def unfinished_iteration(run):
-    """The record of the iteration about to run, so far: empty, or first after resuming a run that
-    stopped inside it (`stop_after_update`) this rank's lags, update statistics and episodes of the
-    updates done then, so that the iteration's row covers all of its updates. Returns (lags, stats,
-    episode_returns, episode_lengths)."""
-    unfinished = None
-    if run.checkpoint is not None:
-        unfinished = run.checkpoint.pop("unfinished", None)  # taken once: later iterations start empty
+def iteration_record(unfinished, rank, device):
+    """The record an iteration starts from, (lags, update statistics, episode returns, episode
+    lengths): empty, or, first after resuming a run that a signal stopped inside it, this rank's
+    part of the checkpoint's `unfinished` (see `checkpoint_state`), so that the iteration's row
+    covers all of its updates."""
     if unfinished is None:
         return [], [], [], []
-    mine = unfinished[run.rank]
-    stats = [{key: torch.tensor(value, device=run.device) for key, value in update.items()}
-             for update in mine["stats"]]
+    mine = unfinished[rank]
+    stats = [{key: torch.tensor(value, device=device) for key, value in update.items()} for update in mine["stats"]]
     return mine["lags"], stats, mine["episode_returns"], mine["episode_lengths"]
 
 
-def nonfinite_update_message(run, error, path):
-    """`Run.guard`'s one line for a non-finite loss or gradient, counted in updates: the weights saved
-    are those before the update that failed."""
-    updates = run.state["updates"]
-    return (f"error: {error} in update {updates + 1} (iteration {run.completed + 1}); the weights before "
-            f"that step, after {updates} updates, are saved in {path}")
+def exit_nonfinite_update(error, path, state, last_saved):
+    """IMPALA's non-finite stop, counted in updates: `state`, whose weights are those before the
+    update that failed, to `path`; then one line, exit 1."""
+    updates = state["updates"]
+    require(save_checkpoint(path, state), f"{error}; its checkpoint could not be written (see above); {last_saved}")
+    raise SystemExit(f"error: {error} in update {updates + 1} (iteration {state['iteration'] + 1}); the weights "
+                     f"before that step, after {updates} updates, are saved in {path}")
 
 
 def check_vtrace_inputs(log_rhos, discounts, rewards, values, bootstrap_value, lambda_):

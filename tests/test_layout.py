@@ -1,8 +1,8 @@
-"""The story first (issue 16): each script reads top to bottom as its algorithm, with the plumbing in an appendix
-below `train`. These tests measure the budgets instead of trusting the eye."""
+"""The story first (issue 16), lean plumbing (issue 24): each script reads top to bottom as its algorithm, with the
+plumbing in an appendix below `train`. These tests measure the budgets instead of trusting the eye."""
 import ast
+import difflib
 import os
-import re
 import subprocess
 import tempfile
 
@@ -11,19 +11,28 @@ from conftest import ROOT
 
 MARKER = "# ---- Appendix: plumbing ----"
 SCRIPTS = ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py"]
-STORY_LINES = {"ppo_procgen.py": 450, "ppg_procgen.py": 550, "vtrace.py": 620, "ppo_rlhf_toy.py": 800}
+# Issue 24's budgets, in lines: the whole file, the appendix (after the marker), the story (to the end of `train`)
+# and `train` itself.
+WHOLE_LINES = {"ppo_procgen.py": 1000, "ppg_procgen.py": 1150, "vtrace.py": 1250, "ppo_rlhf_toy.py": 1150}
+APPENDIX_LINES = {"ppo_procgen.py": 470, "ppg_procgen.py": 530, "vtrace.py": 600, "ppo_rlhf_toy.py": 380}
+STORY_LINES = {"ppo_procgen.py": 520, "ppg_procgen.py": 620, "vtrace.py": 680, "ppo_rlhf_toy.py": 800}
 TRAIN_LINES = {"ppo_procgen.py": 100, "ppg_procgen.py": 100, "vtrace.py": 110, "ppo_rlhf_toy.py": 80}
+APPENDIX_BLOCK_LINES = 60  # no function or class in an appendix is longer
 # Top-level names that are plumbing wherever they appear: none of them may be defined before `train`.
 PLUMBING = {"Run", "Logger", "ProcgenVecEnv", "FramesToDevice", "PROCGEN_RANGES", "RUNTIME_FLAGS", "CPU_NOTE",
             "normalized_score", "evaluate", "write_video", "setup_distributed", "thread_split", "thread_budget",
-            "all_reduce_mean", "average_gradients", "global_moments", "gather", "catch_interrupt",
+            "all_reduce_mean", "average_gradients", "global_moments", "gather", "catch_interrupt", "StopOnSignal",
+            "start_run", "open_run", "create_run_dir", "count_iterations", "restore", "checkpoint_state",
+            "log_iteration", "evaluate_and_log", "evaluate_checkpoint", "on_track_line", "close_run", "exit_nonfinite",
             "save_checkpoint", "load_checkpoint", "reward_statistics", "rank_state", "restore_rank_state", "require",
             "check_ranges", "check_args", "mean_or_none"}
 # A name that is part of one script's story (the RLHF toy's evaluation stage) is not plumbing there.
 STORY_NAMES = {"ppo_rlhf_toy.py": {"evaluate"}}
-# What the diff of the PPO and PPG stories may not hold: PPG's algorithm and defaults only.
-NOT_IN_STORY_DIFF = ["logger.", "print(", "signal", "torch.distributed", "dist.", "checkpoint", "time.time",
-                     "perf_counter"]
+# What the diff of the PPO and PPG stories may not call (judged on the code's calls, not on substrings): logging,
+# signals, torch.distributed, checkpoints, print and timing. Calls by name, and calls of a method on these objects.
+PLUMBING_CALLS = {"print", "Logger", "log_iteration", "StopOnSignal", "save_checkpoint", "load_checkpoint", "restore",
+                  "checkpoint_state", "exit_nonfinite", "torch.save", "torch.load"}
+PLUMBING_RECEIVERS = {"logger", "signal", "dist", "torch.distributed", "time"}
 
 
 def read(name):
@@ -92,18 +101,96 @@ def changed_lines(first, second):
     return [line for line in result.stdout.splitlines() if line[:1] in "<>"]
 
 
-def test_ppo_to_ppg_diff_is_at_most_200_lines():
+def test_ppo_to_ppg_diff_is_at_most_230_lines():
     changed = changed_lines(read("ppo_procgen.py").splitlines(), read("ppg_procgen.py").splitlines())
-    assert 0 < len(changed) <= 200, f"{len(changed)} changed lines"
+    assert 0 < len(changed) <= 230, f"{len(changed)} changed lines"
+
+
+def dotted_name(node):
+    """`a.b.c` of a call's function (None for calls of calls, subscripts, ...)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        receiver = dotted_name(node.value)
+        return receiver and f"{receiver}.{node.attr}"
+    return None
+
+
+def plumbing_calls(source, lines):
+    """The calls into plumbing (PLUMBING_CALLS, methods of PLUMBING_RECEIVERS or of a `with StopOnSignal(...) as`
+    target) that touch one of `lines` (1-based) of `source`."""
+    tree = ast.parse(source)
+    receivers = set(PLUMBING_RECEIVERS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+            if isinstance(node.context_expr, ast.Call) and dotted_name(node.context_expr.func) == "StopOnSignal":
+                receivers.add(node.optional_vars.id)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = dotted_name(node.func) or ""
+        plumbing = name in PLUMBING_CALLS or name.rpartition(".")[0] in receivers
+        if plumbing and set(range(node.lineno, node.end_lineno + 1)) & set(lines):
+            found.append(f"line {node.lineno}: {name}()")
+    return found
+
+
+def changed_line_numbers(first, second):
+    """1-based numbers of the lines of each text that its diff with the other changes."""
+    matcher = difflib.SequenceMatcher(None, first, second, autojunk=False)
+    changed = ([], [])
+    for tag, first_start, first_end, second_start, second_end in matcher.get_opcodes():
+        if tag != "equal":
+            changed[0].extend(range(first_start + 1, first_end + 1))
+            changed[1].extend(range(second_start + 1, second_end + 1))
+    return changed
+
+
+def story_diff_plumbing(first_source, second_source):
+    first, second = story(first_source), story(second_source)
+    first_changed, second_changed = changed_line_numbers(first, second)
+    stories = ("\n".join(first) + "\n", "\n".join(second) + "\n")
+    return bool(first_changed or second_changed), (plumbing_calls(stories[0], first_changed)
+                                               + plumbing_calls(stories[1], second_changed))
 
 
 def test_ppo_to_ppg_story_diff_holds_the_algorithm_only():
-    changed = changed_lines(story(read("ppo_procgen.py")), story(read("ppg_procgen.py")))
-    plumbing = [line for line in changed if any(word in line for word in NOT_IN_STORY_DIFF)]
+    changed, plumbing = story_diff_plumbing(read("ppo_procgen.py"), read("ppg_procgen.py"))
     assert changed and not plumbing, "plumbing in the story diff:\n" + "\n".join(plumbing)
 
 
 def test_the_story_diff_check_can_fail():
-    """The plumbing words are found where they are (so a passing story-diff test means something)."""
-    assert re.search("|".join(map(re.escape, NOT_IN_STORY_DIFF)), "> print(f'x')")
+    """A plumbing call in the changed lines is found, also inside a `with StopOnSignal(...) as` block and across a
+    call's lines; the same words in a comment, a string or an unchanged line are not calls (a passing story-diff test
+    means something)."""
+    base = "def train(args):\n    with StopOnSignal(args) as halt:\n        x = 1\n"
+    assert story_diff_plumbing(base, base.replace("x = 1", "x = 2  # print(logger)")) == (True, [])
+    _, found = story_diff_plumbing(base, base.replace("x = 1", "x = halt.requested()"))
+    assert found == ["line 3: halt.requested()"]
+    _, found = story_diff_plumbing(base, base.replace("x = 1", "x = f(\n            dist.get_rank())"))
+    assert found == ["line 4: dist.get_rank()"]
+    _, found = story_diff_plumbing(base, base.replace("x = 1", "print(x)\n        y = time.perf_counter()"))
+    assert found == ["line 3: print()", "line 4: time.perf_counter()"]
     assert changed_lines(["a", "b"], ["a", "c"]) == ["< b", "> c"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_whole_file_and_appendix_are_short(name):
+    lines = read(name).splitlines()
+    assert len(lines) <= WHOLE_LINES[name], f"{len(lines)} lines"
+    appendix = lines[lines.index(MARKER) + 1:]
+    assert len(appendix) <= APPENDIX_LINES[name], f"{len(appendix)} appendix lines"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_no_appendix_function_or_class_is_long(name):
+    source = read(name)
+    marker_line = source.splitlines().index(MARKER) + 1
+    long_blocks = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.lineno > marker_line:
+            first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
+            if node.end_lineno - first + 1 > APPENDIX_BLOCK_LINES:
+                long_blocks.append(f"{node.name} ({node.end_lineno - first + 1} lines)")
+    assert not long_blocks, f"appendix blocks over {APPENDIX_BLOCK_LINES} lines: {long_blocks}"

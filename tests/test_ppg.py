@@ -161,7 +161,7 @@ def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
                                          r"is free per rank"):
         ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
-    assert not os.path.exists("runs")  # `prepare` refuses before the run directory exists: nothing left behind
+    assert not os.path.exists("runs")  # `prepare_phases` refuses before the run directory exists: nothing left behind
 
 
 def test_bad_ppg_flags_fail_at_once():
@@ -191,7 +191,7 @@ def test_ppg_learns_the_cue_task(cue_env, in_tmp):
     rows = read_rows(ppg.train(args))
     assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]  # random play: 8/15 per episode
     aux_rows = [r for r in rows if "aux/kl" in r]
-    assert len(aux_rows) == 3  # 12 iterations = 3 phases of N_pi = 4
+    assert len(aux_rows) == 2  # 12 iterations = 3 phases of N_pi = 4; none after the last iteration
     assert all(r["time/aux_phase"] > 0 and r["time/policy_phase"] > 0 for r in aux_rows)
 
 
@@ -210,6 +210,33 @@ def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
     lrs = [r["charts/learning_rate"] for r in rows if "charts/learning_rate" in r]
     np.testing.assert_allclose(lrs, [5e-4 * (1 - i / 7) for i in range(7)])
     assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6]
+
+
+def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
+    """Issue 26: a run of a whole number of phases ends after its last policy phase, as the PPG code's loop does
+    (openai/phasic-policy-gradient ppg.py 259-260 leaves before the auxiliary phase): 2 phases of N_pi = 2, one
+    auxiliary phase (the old loop ran two); 5 iterations still get the one after iteration 4."""
+    cue_env(ppg)
+    common = dict(env_id="coinrun", num_envs=4, num_steps=8, num_minibatches=2, channels=(4,), hidden_size=16,
+                  eval_every=0, eval_episodes=2, n_pi=2, e_aux=1, num_aux_rollouts=4)
+    for iterations, phases in ((4, [2]), (5, [2, 4])):
+        rows = read_rows(ppg.train(ppg.Args(**common, total_timesteps=iterations * 32)))
+        assert [r["iteration"] for r in rows if "aux/kl" in r] == phases
+        assert rows[-1]["iteration"] == iterations and "eval/episodic_return" in rows[-1]
+
+
+def test_on_track_line_names_the_run_as_its_args_json(tmp_path, monkeypatch):
+    """The in-run line comes from benchmarks/reference/on_track.py (issue 24), which picks PPG's anchor from the run's
+    script and flags, as results.py does from args.json: the script's name and --arch, --policy-loss reach it."""
+    monkeypatch.setattr(ppg, "__file__", str(tmp_path / "ppg_procgen.py"))
+    monkeypatch.delitem(sys.modules, "on_track", raising=False)
+    (tmp_path / "benchmarks" / "reference").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "reference" / "on_track.py").write_text(
+        "def run_on_track_line(args, global_step, our_return):\n"
+        "    return f\"{args['script']} {args['arch']} {args['policy_loss']} @ {global_step}: ours {our_return}\"\n")
+    line = ppg.on_track_line(ppg.Args(arch="detach", policy_loss="kl-penalty"), 8_000_000, 3.5)
+    assert line == "ppg_procgen.py detach kl-penalty @ 8000000: ours 3.5"
+    monkeypatch.delitem(sys.modules, "on_track")
 
 
 def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, monkeypatch):
@@ -276,7 +303,7 @@ def run_script(*flags):
 def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     result = run_script(*TINY, "--arch", arch, "--total-timesteps", str(4 * 32), "--save-model")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("aux phase: policy phase") == 2
+    assert result.stdout.count("aux phase: policy phase") == 1  # after iteration 2; none after the last
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
     checkpoint = torch.load(path, weights_only=True)
@@ -290,7 +317,7 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     first_rows = read_rows(os.path.join("runs", run))
     result = run_script("--resume", os.path.join("runs", run, "phase1.pt"))
     assert result.returncode == 0, result.stderr
-    assert "resuming" in result.stdout and result.stdout.count("aux phase: policy phase") == 1
+    assert "resuming" in result.stdout and result.stdout.count("aux phase: policy phase") == 0
     rows = read_rows(os.path.join("runs", run))
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4]
     assert rows[:3] == first_rows[:3] and rows[3:] != first_rows[3:]  # iterations 1, 2 and the first aux row kept
@@ -350,8 +377,9 @@ def test_ctrl_c_stops_at_the_end_of_the_current_policy_iteration(cue_env, in_tmp
 
 def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in_tmp, monkeypatch):
     """SIGTERM in iteration 5 (the second of the second phase): exit 143 after iteration 5. The resumed run keeps the
-    phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9, 12); the interrupted phase's
-    auxiliary phase sees only the rollouts collected after the resume (iteration 6's 4), the later ones all 12."""
+    phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9; none after the last); the
+    interrupted phase's auxiliary phase sees only the rollouts collected after the resume (iteration 6's 4), the
+    later one all 12."""
     cue_env(ppg)
     signal_on_call(monkeypatch, "ppo_update", 5)
     with pytest.raises(SystemExit) as stop:
@@ -364,8 +392,8 @@ def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in
     rows, rollouts = resume_to_the_end(monkeypatch, path)
     assert rows[: len(before)] == before  # every trained iteration's row is kept
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
-    assert rollouts == [4, 12, 12] and rows[-1]["global_step"] == 12 * 32
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
+    assert rollouts == [4, 12] and rows[-1]["global_step"] == 12 * 32
 
 
 def test_sigterm_in_an_auxiliary_phase_stops_after_the_current_minibatch(cue_env, in_tmp, monkeypatch):
@@ -384,8 +412,8 @@ def test_sigterm_in_an_auxiliary_phase_stops_after_the_current_minibatch(cue_env
     rows, rollouts = resume_to_the_end(monkeypatch, path)
     assert rows[: len(before)] == before
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
-    assert rollouts == [12, 12, 12] and rows[-1]["global_step"] == 12 * 32
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
+    assert rollouts == [12, 12] and rows[-1]["global_step"] == 12 * 32
 
 
 def test_nonfinite_checkpoint_inside_a_phase_resumes_like_a_stop(cue_env, in_tmp, monkeypatch):
@@ -404,8 +432,8 @@ def test_nonfinite_checkpoint_inside_a_phase_resumes_like_a_stop(cue_env, in_tmp
         ppg.train(ppg.Args(**PHASES))
     (path,) = glob.glob("runs/*/checkpoint_nonfinite.pt")
     rows, rollouts = resume_to_the_end(monkeypatch, path)
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9, 12]
-    assert rollouts == [8, 12, 12] and rows[-1]["global_step"] == 12 * 32
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
+    assert rollouts == [8, 12] and rows[-1]["global_step"] == 12 * 32
 
 
 def test_pinned_buffer_counts_the_allocators_power_of_two(monkeypatch):

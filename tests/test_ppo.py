@@ -486,3 +486,93 @@ def test_paper_ppo_baseline_recipe_has_the_official_value_loss_scale():
     ours = args.vf_coef * ppo.value_loss(new_value, old_value, returns, args.clip_coef, args.clip_vloss)
     assert ours.item() == pytest.approx(0.5 * (1 + 0.01 + 1) / 3)  # official: 0.5 * mean([1, 0.01, 1])
     assert args.minibatch_unit == "games" and args.update_epochs == 3  # the official baseline's minibatches, epochs
+
+
+def test_target_kl_compares_each_epochs_own_mean_kl():
+    """Issue 24 item 7: --target-kl (clip) stops the update after the first epoch whose own mean approximate KL
+    passes it. With one minibatch per epoch the first epoch's KL is exactly 0 (the rollout's own network), so after
+    epoch 2 the mean over both epochs is half of epoch 2's own: a target between the two stops there, while the
+    cumulative mean would go on to epoch 3."""
+    def update(epochs, target_kl):
+        args, agent = tiny_agent()  # seeds torch: the same weights and minibatch order every time
+        args = dataclasses.replace(args, update_epochs=epochs, target_kl=target_kl)
+        generator = torch.Generator().manual_seed(1)
+        obs = torch.randint(0, 256, (64, 64, 64, 3), dtype=torch.uint8, generator=generator)
+        with torch.no_grad():
+            logits, values = agent(obs)
+        actions = ppo.sample_action(logits, generator)
+        batch = dict(obs=obs, actions=actions, log_probs=ppo.log_prob_entropy(logits, actions)[0], logits=logits,
+                     values=values, advantages=torch.randn(64, generator=generator), returns=values + 1)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2)
+        steps = []
+        real_step = optimizer.step
+
+        def counted_step(*args, **kwargs):
+            steps.append(1)
+            return real_step(*args, **kwargs)
+        optimizer.step = counted_step
+        return ppo.ppo_update(agent, optimizer, batch, args, epochs, epochs, contextlib.nullcontext), len(steps)
+
+    stats, steps = update(2, None)
+    second_epoch_kl = 2 * stats["approx_kl"]  # the mean of epoch 1's 0 and epoch 2's own
+    assert steps == 2 and second_epoch_kl > 1e-4
+    assert update(3, None)[1] == 3
+    assert update(3, 0.75 * second_epoch_kl)[1] == 2  # the cumulative mean, 0.5 of it, would not have stopped
+
+
+def test_cuda_flag_without_a_gpu_warns_once(cue_env, in_tmp, monkeypatch, capsys):
+    """--cuda (the default) on a machine without a usable GPU: one line says so, and the run trains on the CPU;
+    --no-cuda: no warning."""
+    cue_env(ppo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cue_args(ppo, total_timesteps=512)
+    ppo.train(args)
+    warning = ("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is False); running on "
+               "the CPU")
+    assert capsys.readouterr().out.splitlines().count(warning) == 1
+    ppo.train(dataclasses.replace(args, cuda=False))
+    assert "warning: --cuda" not in capsys.readouterr().out
+
+
+def test_resume_takes_the_checkpoints_flags_before_checking_them(cue_env, in_tmp, monkeypatch, capsys):
+    """Issue 26: --resume reads the checkpoint's flags first and checks those, so a flag given with it that is not
+    in RUNTIME_FLAGS is ignored (here a --total-timesteps below one default iteration), and an error names the run's
+    own numbers (its --num-envs 16, not the default 64)."""
+    cue_env(ppo)
+    run_dir = ppo.train(cue_args(ppo, total_timesteps=1024, save_model=True))
+    path = os.path.join(run_dir, "checkpoint.pt")
+    assert ppo.train(ppo.Args(resume=path, total_timesteps=160, torch_threads=1)) == os.path.dirname(
+        os.path.abspath(path))
+    assert f"resuming {os.path.basename(run_dir)} at iteration 3" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match="^error: --num-envs 16 must be a multiple of the 3 ranks"):
+        ppo.train(ppo.Args(resume=path, total_timesteps=160))
+
+
+def test_checkpoints_keep_the_keys_earlier_versions_wrote(cue_env, in_tmp):
+    """A checkpoint is one plain dict with the keys main has written since issue 21, so those resume as they are."""
+    cue_env(ppo)
+    run_dir = ppo.train(cue_args(ppo, total_timesteps=512, save_model=True))
+    saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert set(saved) == {"agent", "optimizer", "iteration", "global_step", "kl_beta", "args", "run_name", "ranks"}
+
+
+def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp_path, monkeypatch):
+    """Issue 24 item 3: the in-run line is benchmarks/reference/on_track.py's (the rules results.py --on-track uses),
+    given the run's args.json dict; a copy of the script without benchmarks/ skips it; sys.path is left as it was."""
+    monkeypatch.delitem(sys.modules, "on_track", raising=False)
+    real = ppo.on_track_line(ppo.Args(), 1_500_000, 3.0)  # the repository's rules: baselines PPO easy-all
+    assert real.startswith("starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
+    monkeypatch.delitem(sys.modules, "on_track")
+    monkeypatch.setattr(ppo, "__file__", str(tmp_path / "ppo_procgen.py"))
+    path_before = list(sys.path)
+    assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) is None  # no benchmarks/ next to the script
+    rules = tmp_path / "benchmarks" / "reference"
+    rules.mkdir(parents=True)
+    sys.path_importer_cache.pop(str(rules), None)  # python remembers the folder was missing
+    (rules / "on_track.py").write_text(
+        "def run_on_track_line(args, global_step, our_return):\n"
+        "    return f\"{args['script']} {args['env_id']} @ {global_step}: ours {our_return}\"\n")
+    assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) == "ppo_procgen.py starpilot @ 12000000: ours 14.2"
+    assert sys.path == path_before
+    monkeypatch.delitem(sys.modules, "on_track")

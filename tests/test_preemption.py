@@ -36,7 +36,7 @@ def test_runs_started_in_one_second_with_one_name_get_their_own_directories(cue_
     def frozen_second():  # the same whole second for both runs, yet time moves on within it
         clock[0] += 1e-4
         return clock[0]
-    monkeypatch.setattr(ppo, "time", types.SimpleNamespace(time=frozen_second))
+    monkeypatch.setattr(ppo, "time", types.SimpleNamespace(time=frozen_second, perf_counter=time.perf_counter))
     first = ppo.train(tiny_args(learning_rate=1e-3))
     second = ppo.train(tiny_args(learning_rate=2e-3))
     assert second == first + "-2"

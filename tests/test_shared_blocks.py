@@ -8,7 +8,8 @@ import pytest
 from conftest import ROOT
 
 # Top-level definitions that each algorithm is allowed to change; everything else they share must be identical.
-ALGORITHM_SPECIFIC = {"Args", "Agent", "check_args", "train", "CPU_NOTE"}
+# `checkpoint_state` is each script's one dict of what --resume continues from (PPG adds its auxiliary optimizer).
+ALGORITHM_SPECIFIC = {"Args", "Agent", "check_args", "train", "CPU_NOTE", "checkpoint_state"}
 
 
 def top_level(path):
@@ -36,7 +37,8 @@ def script(name):
 def test_shared_blocks_are_identical(other):
     ppo, them = top_level(script("ppo_procgen.py")), top_level(script(other))
     shared = (set(ppo) & set(them)) - ALGORITHM_SPECIFIC - {"imports"}
-    assert {"ProcgenVecEnv", "make_env", "ImpalaCNN", "Logger", "save_checkpoint", "evaluate"} <= shared
+    assert {"ProcgenVecEnv", "make_env", "ImpalaCNN", "Logger", "save_checkpoint", "evaluate", "start_run", "open_run",
+            "restore", "StopOnSignal", "evaluate_and_log", "load_checkpoint"} <= shared
     different = sorted(name for name in shared if ppo[name] != them[name])
     assert not different, f"{other} differs from ppo_procgen.py in shared blocks {different}: change both"
 
@@ -62,9 +64,9 @@ def test_args_fields_in_common_are_identical_except_documented_defaults():
 
 
 def test_ppo_to_ppg_diff_stays_small():
-    """PPG's algorithm and its own defaults with their reasons; its non-algorithmic needs (aux-buffer placement,
-    its ETA share, stopping at a phase boundary) go through the shared `Run` helpers (issue 16)."""
+    """PPG's algorithm and its own defaults with their reasons, and (issue 24) the plumbing only PPG needs (the
+    auxiliary buffer's placement, its phase rows, its checkpoint's auxiliary optimizer), where the diff shows it."""
     result = subprocess.run(["diff", script("ppo_procgen.py"), script("ppg_procgen.py")], capture_output=True,
                             text=True)
     changed = [line for line in result.stdout.splitlines() if line[:1] in "<>"]
-    assert 0 < len(changed) <= 200, f"{len(changed)} changed lines"
+    assert 0 < len(changed) <= 230, f"{len(changed)} changed lines"

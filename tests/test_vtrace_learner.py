@@ -479,7 +479,7 @@ def test_sigterm_stops_after_the_current_update_and_resume_finishes_the_run(cue_
 
 
 def test_actor_stop_is_bounded_and_a_ctrl_c_during_it_does_not_escape(capsys):
-    """`end_thread`, the actor's stop in Run.guard's finally: a Ctrl-C while it waits (a third signal) neither
+    """`end_thread`, the actor's stop as StopOnSignal closes the run: a Ctrl-C while it waits (a third signal) neither
     escapes nor cuts the wait short (the games are closed after it); a thread that never returns is given up after
     the timeout, with one line."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -708,8 +708,8 @@ def test_cuda_actor_thread_keeps_its_device_and_its_stream_is_waited_for():
 ])
 def test_bad_flags_fail_with_one_line(flags, message):
     import tyro
-    with pytest.raises(SystemExit) as error:
-        vtrace.check_args(tyro.cli(vtrace.Args, args=flags))
+    with pytest.raises(SystemExit) as error:  # start_run checks the files named, then check_args the flags
+        vtrace.start_run(tyro.cli(vtrace.Args, args=flags))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
