@@ -432,12 +432,12 @@ def train(args):
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    optimizers = {"optimizer": optimizer}  # by their names in a checkpoint
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
-    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer}, envs.env)
+    start_iteration = restore(checkpoint, args, rank, agent, optimizers, envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
     if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
         return evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs)
-
     # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
     obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
     actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
@@ -510,12 +510,12 @@ def train(args):
                                      recent_returns)
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
                 if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                    state = checkpoint_state(args, run_name, iteration, agent, optimizer, envs.env, kl_beta)
+                    state = checkpoint_state(args, run_name, iteration, agent, optimizers, envs.env, kl_beta)
                     stop.save(os.path.join(run_dir, "checkpoint.pt"), state, final=iteration == num_iterations)
                 if stopping:
                     stop.exit(iteration)
         except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
-            state = checkpoint_state(args, run_name, iteration - 1, agent, optimizer, envs.env, kl_beta)
+            state = checkpoint_state(args, run_name, iteration - 1, agent, optimizers, envs.env, kl_beta)
             exit_nonfinite(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
     return run_dir
 
@@ -836,9 +836,8 @@ def thread_split(args, device):
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM (sent before a kill by SLURM, torchrun, ...) is only recorded: at an
-    iteration's end all ranks learn of it (`requested`), save and `exit`. A second one (not torchrun's
-    copy within 2 s) stops at once, in one line. Leaving closes `closing`, signals ignored."""
+    """A first Ctrl-C or SIGTERM is recorded; at an iteration's end all ranks learn of it (`requested`), save, `exit`.
+    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -874,10 +873,9 @@ class StopOnSignal:
                 signal.signal(signum, handler)
 
     def requested(self):
-        if not dist.is_initialized():  # one process: no all-reduce, no host sync
-            return bool(self.signals)
-        caught = torch.tensor(float(bool(self.signals)), device=self.device)
-        return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
+        if dist.is_initialized():  # one all-reduce: all ranks stop after the same iteration
+            return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
+        return bool(self.signals)  # one process: no host sync
 
     def save(self, path, state, final):
         if save_checkpoint(path, state):  # else one line; retried at the next save
@@ -1036,13 +1034,14 @@ def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
 
 
-def checkpoint_state(args, run_name, iteration, agent, optimizer, normalizer, kl_beta):
+def checkpoint_state(args, run_name, iteration, agent, optimizers, normalizer, kl_beta):
     """All that --resume continues from after `iteration`, in one dict of tensors and plain data
-    (what torch.load(weights_only=True) reads): the weights, the optimizer, kl-penalty's beta, the
-    flags and every rank's own reward statistics and RNG states (a collective: all ranks call it)."""
+    (what torch.load(weights_only=True) reads): the weights, the `optimizers` (by their keys),
+    kl-penalty's beta, the flags and every rank's own reward statistics and RNG states (a
+    collective: all ranks call it)."""
     ranks = gather([rank_state(reward_statistics(normalizer))])
-    return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
-            "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta,
+    return {"agent": agent.state_dict(), **{key: optimizer.state_dict() for key, optimizer in optimizers.items()},
+            "iteration": iteration, "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta,
             "args": asdict(args), "run_name": run_name, "ranks": ranks}
 
 

@@ -947,9 +947,8 @@ def gather(items):
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM (sent before a kill by SLURM, torchrun, ...) is only recorded: at an
-    iteration's end all ranks learn of it (`requested`), save and `exit`. A second one (not torchrun's
-    copy within 2 s) stops at once, in one line. Leaving closes `closing`, signals ignored."""
+    """A first Ctrl-C or SIGTERM is recorded; at an iteration's end all ranks learn of it (`requested`), save, `exit`.
+    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -985,10 +984,9 @@ class StopOnSignal:
                 signal.signal(signum, handler)
 
     def requested(self):
-        if not dist.is_initialized():  # one process: no all-reduce, no host sync
-            return bool(self.signals)
-        caught = torch.tensor(float(bool(self.signals)), device=self.device)
-        return bool(all_reduce_mean(caught) > 0)  # one all-reduce: all ranks stop after one iteration
+        if dist.is_initialized():  # one all-reduce: all ranks stop after the same iteration
+            return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
+        return bool(self.signals)  # one process: no host sync
 
     def save(self, path, state, final):
         if save_checkpoint(path, state):  # else one line; retried at the next save

@@ -1,5 +1,6 @@
 """benchmarks/reference/: the anchors' committed runs reproduce the PPG paper's headline and their raw CSV values, and
 benchmarks/results.py draws them behind our runs, tables them beside ours and says whether a run is on track."""
+import dataclasses
 import gzip
 import json
 import os
@@ -243,24 +244,25 @@ def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg):
     assert "no run matches a reference" in capsys.readouterr().out
 
 
-def test_scripts_reference_line_agrees_with_results_py():
-    """The scripts' `reference_line` (in their shared appendix) agrees with results.py's line."""
+def test_the_scripts_in_run_line_is_the_rules_modules():
+    """Each Procgen script's on-track line is on_track.run_on_track_line of its own args.json dict: PPO easy against
+    baselines PPO, PPG's variants against their official folders, IMPALA none (issue 24 item 3)."""
+    import on_track
+    import ppg_procgen
     import ppo_procgen
-    ppg_reference = results.load_references()["phasic_policy_gradient/ppg"]
-    theirs = results.reference_at(ppg_reference, "starpilot", 12e6)
-    expected = results.on_track_line("starpilot", 12e6, [14.2], "official PPG", theirs).replace(" (1 seed)", "")
-    assert ppo_procgen.reference_line(ROOT, "starpilot", "hard", "ppg", 12_000_000, 14.2) == expected
-    assert ppo_procgen.reference_line(ROOT, "starpilot", "easy", "ppg", 12_000_000, 14.2) is None
-    assert ppo_procgen.reference_line(ROOT, "starpilot", "hard", "ppg", 1_000, 14.2) is None
-
-
-def test_scripts_pick_their_anchor_from_their_flags():
-    # PPG's anchor per --arch / --policy-loss: the `match` cases above (the scripts' line is benchmarks/reference/on_track.py's,
-    # handed the run's script and flags: tests/test_ppg.py)
-    import ppo_procgen
-    assert ppo_procgen.anchor_name(ppo_procgen.Args()) == "ppo"
-    easy = ppo_procgen.reference_line(ROOT, "starpilot", "easy", "ppo", 1_500_000, 3.0)
-    assert easy.startswith("starpilot @ 1.5M: ours 3.0 vs official baselines PPO (easy-all) ") and "(below)" in easy
+    import vtrace
+    for module, args, step in ((ppo_procgen, ppo_procgen.Args(), 1_500_000),
+                               (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", arch="detach"), 12e6),
+                               (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", policy_loss="kl-penalty",
+                                                              target_kl=0.01), 12e6),
+                               (vtrace, vtrace.Args(), 1_500_000)):
+        run_args = {"script": os.path.basename(module.__file__), **dataclasses.asdict(args)}
+        assert module.on_track_line(args, step, 3.0) == on_track.run_on_track_line(run_args, step, 3.0)
+    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_500_000, 3.0).startswith(
+        "starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
+    assert "official PPG single-network" in ppg_procgen.on_track_line(
+        ppg_procgen.Args(distribution_mode="hard", arch="detach"), 12e6, 3.0)
+    assert vtrace.on_track_line(vtrace.Args(), 1_500_000, 3.0) is None
 
 
 def test_one_rule_set_for_the_in_run_line_and_results_py():
