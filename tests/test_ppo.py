@@ -565,6 +565,9 @@ def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp
     assert real.startswith("starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
     monkeypatch.delitem(sys.modules, "on_track")
     monkeypatch.setattr(ppo, "__file__", str(tmp_path / "ppo_procgen.py"))
+    # Other tests put the repository's benchmarks/reference on sys.path; a copy of the script must not find it there.
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if not path.endswith(os.path.join("benchmarks",
+                                                                                                 "reference"))])
     path_before = list(sys.path)
     assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) is None  # no benchmarks/ next to the script
     rules = tmp_path / "benchmarks" / "reference"
