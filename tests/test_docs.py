@@ -329,14 +329,19 @@ def test_every_cited_result_and_figure_exists():
 
 
 def test_every_committed_result_file_is_cited():
+    """Every result JSON directly in benchmarks/results/ is cited by name; a folder of whole runs there (its runs'
+    args.json and metrics.jsonl, e.g. procgen_cpu/) is cited by the folder's path."""
     committed = subprocess.run(["git", "ls-files", "benchmarks/results/*.json"], cwd=ROOT, capture_output=True,
                                text=True).stdout.split()
     if not committed:  # not a git checkout: the files on disk
-        committed = [relative(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))]
-    cited = set()
-    for page in pages():
-        cited |= cited_files(open(page).read())
-    assert sorted(set(committed) - cited) == []
+        committed = [relative(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "**", "*.json"),
+                                                    recursive=True)]
+    text = "".join(open(page).read() for page in pages())
+    cited = cited_files(text)
+    runs = [path for path in committed if path.count("/") >= 4]  # benchmarks/results/<folder>/<run>/<file>
+    folders = {"/".join(path.split("/")[:3]) for path in runs}
+    assert sorted(folder for folder in folders if f"{folder}/" not in text) == []
+    assert sorted(set(committed) - set(runs) - cited) == []
 
 
 # ---- numbers in tables against their JSON ----
