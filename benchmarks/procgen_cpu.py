@@ -119,10 +119,14 @@ def group_label(key):
 
 def read_groups(folder):
     """{(script, changed flags): [runs sorted by seed]}: the scripts at their defaults first (PPO,
-    IMPALA), then the groups with changed flags, by label."""
+    IMPALA), then the groups with changed flags, by label. A run without a training row yet is left
+    out, with a warning."""
     groups = {}
     for path in results.find_runs(folder):
         run = results.read_run(path)
+        if not training_rows(run):
+            print(f"warning: {path}: no training row yet ({run.partial}); left out", file=sys.stderr)
+            continue
         groups.setdefault((run.args["script"], changed_flags(run.args)), []).append(run)
     order = list(LABELS)
 

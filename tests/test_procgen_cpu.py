@@ -119,12 +119,16 @@ def cells(line):
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
-def test_runs_are_grouped_by_the_flags_that_differ_from_the_defaults(synthetic_runs):
+def test_runs_are_grouped_by_the_flags_that_differ_from_the_defaults(synthetic_runs, capsys):
+    just_started = script_args(vtrace, "vtrace.py", seed=2, total_timesteps=524_288)
+    write_run(synthetic_runs, "vtrace_2", just_started, [])  # no row yet: left out, with a warning
     groups = procgen_cpu.read_groups(str(synthetic_runs))
+    assert "vtrace_2: no training row yet" in capsys.readouterr().err
     labels = [procgen_cpu.group_label(key) for key in groups]
     # seed, threads, saving, cuda, resume and total steps are ignored
     assert labels == ["PPO", "IMPALA", "PPO, --reward-norm-gamma 0.99"]
     assert [run.seed for run in groups[("ppo_procgen.py", ())]] == [1, 2]
+    assert [run.seed for run in groups[("vtrace.py", ())]] == [1]
     assert procgen_cpu.flag_text("anneal_lr", "true") == "--anneal-lr"
     assert procgen_cpu.flag_text("clip_vloss", "false") == "--no-clip-vloss"
     assert procgen_cpu.flag_text("channels", "[32, 64, 64]") == "--channels 32 64 64"
