@@ -6,14 +6,15 @@ LICENSE-* files here):
   python benchmarks/reference/build_reference.py --ppg /tmp/phasic-policy-gradient --train-procgen /tmp/train-procgen
 
 Either path may be the checkout or its results folder (`phasic_policy_gradient/results`, `train_procgen/results`).
-Writes `phasic_policy_gradient.json.gz`, `train_procgen.json.gz` and `train_procgen_first_1M.json.gz` (every row up to
-1,048,576 steps, for windowed comparisons of short runs) next to this script (or to --out); the bytes do not
+Writes `phasic_policy_gradient.json.gz`, `train_procgen.json.gz` and `train_procgen_first_1M.json.gz` (the rows up to
+1,048,576 steps alone, read by benchmarks/procgen_cpu.py) next to this script (or to --out); the bytes do not
 depend on the time of the build, so `git diff` shows whether a rebuild changed anything.
 
 What is kept: every run folder (every seed, every ablation) and every game; the return column (`EpRewMean` in the
-official PPG CSVs, `eprewmean` in train-procgen's: both the mean return of the last 100 episodes); one logged row in
-`stride` (every 4th row of the PPG CSVs, every 8th of train-procgen's: about 382 points per curve either way) and
-always the final logged row; returns rounded to 5 decimals. Steps are exact, as the repos' own graph.py counts them:
+official PPG CSVs, `eprewmean` in train-procgen's: both the mean return of the last 100 episodes); every logged row
+(the on-track rule in on_track.py averages the anchor's last 8 rows before a step: a window needs all of them; the
+files record this as "stride": 1); returns rounded to 5 decimals. Steps are exact, as the repos' own graph.py counts
+them:
 - official PPG: row i (1-based) is logged after i iterations of 4 workers x 64 envs x 256 steps = i x 65,536 steps
   (`ppo.learn`: ic_per_step = venv.num * comm.size * nstep); 1,526 rows, the last at 100,007,936 steps;
 - train-procgen: `misc/total_timesteps` (per worker) x the number of workers graph.py assumes (1 in easy mode, 4 in
@@ -60,11 +61,10 @@ def read_column(path, column):
     return [float(cell) if cell != "" else float("nan") for cell in cells], header, rows[1:]
 
 
-def subsample(steps, returns, stride):
-    """Every `stride`-th row (rows stride, 2 stride, ... counted from 1) and always the last one."""
-    keep = [i for i in range(len(steps)) if (i + 1) % stride == 0 or i == len(steps) - 1]
-    return {"steps": [int(steps[i]) for i in keep],
-            "returns": [None if returns[i] != returns[i] else round(returns[i], 5) for i in keep]}
+def curve(steps, returns):
+    """Every row: the steps as integers, the returns rounded to 5 decimals, an empty cell (NaN) as None."""
+    return {"steps": [int(step) for step in steps],
+            "returns": [None if value != value else round(value, 5) for value in returns]}
 
 
 def git_commit(path):
@@ -75,7 +75,7 @@ def git_commit(path):
         return None
 
 
-def build_ppg(path, stride=4, commit=None):
+def build_ppg(path, commit=None):
     folder = results_folder(path, os.path.join("phasic_policy_gradient", "results"))
     experiments = {}
     curves = {}
@@ -95,16 +95,15 @@ def build_ppg(path, stride=4, commit=None):
             for game in GAMES:
                 returns, _, _ = read_column(os.path.join(folder, run, f"progress-{game}.csv"), "EpRewMean")
                 steps = [(i + 1) * 4 * 64 * 256 for i in range(len(returns))]
-                curves[run][game] = subsample(steps, returns, stride)
+                curves[run][game] = curve(steps, returns)
     return {"source": "openai/phasic-policy-gradient", "path": "phasic_policy_gradient/results",
             "commit": commit or git_commit(path), "license": "LICENSE-phasic-policy-gradient", "column": "EpRewMean",
-            "stride": stride, "steps": "row i (1-based) x 4 workers x 64 envs x 256 steps", "experiments": experiments,
+            "stride": 1, "steps": "row i (1-based) x 4 workers x 64 envs x 256 steps", "experiments": experiments,
             "curves": curves}
 
 
-def build_train_procgen(path, stride=8, commit=None, until=None):
-    """train-procgen's curves, every `stride`-th row; with `until`, every row up to that step and no final row (the
-    early, full-resolution file: windowed comparisons of short runs need every iteration)."""
+def build_train_procgen(path, commit=None, until=None):
+    """train-procgen's curves, every row; with `until`, only the rows up to that step (the early file)."""
     folder = results_folder(path, os.path.join("train_procgen", "results"))
     experiments = {}
     curves = {}
@@ -128,13 +127,10 @@ def build_train_procgen(path, stride=8, commit=None, until=None):
                                                         "eprewmean")
                     column = header.index("misc/total_timesteps")
                     steps = [int(float(row[column])) * workers for row in rows]
-                    curve = subsample(steps, returns, stride)
-                    if until is not None:
-                        kept = sum(step <= until for step in curve["steps"])
-                        curve = {"steps": curve["steps"][:kept], "returns": curve["returns"][:kept]}
-                    curves[f"{run}:{split}"][game] = curve
+                    kept = len(steps) if until is None else sum(step <= until for step in steps)
+                    curves[f"{run}:{split}"][game] = curve(steps[:kept], returns[:kept])
     data = {"source": "openai/train-procgen", "path": "train_procgen/results", "commit": commit or git_commit(path),
-            "license": "LICENSE-train-procgen", "column": "eprewmean", "stride": stride,
+            "license": "LICENSE-train-procgen", "column": "eprewmean", "stride": 1,
             "steps": "misc/total_timesteps x workers (1 in easy mode, 4 in hard mode, as in train_procgen/graph.py)",
             "experiments": experiments, "curves": curves}
     if until is not None:
@@ -164,7 +160,7 @@ def main(argv=None):
     write(build_ppg(args.ppg, commit=args.ppg_commit), os.path.join(args.out, "phasic_policy_gradient.json.gz"))
     write(build_train_procgen(args.train_procgen, commit=args.train_procgen_commit),
           os.path.join(args.out, "train_procgen.json.gz"))
-    write(build_train_procgen(args.train_procgen, stride=1, commit=args.train_procgen_commit, until=EARLY_STEPS),
+    write(build_train_procgen(args.train_procgen, commit=args.train_procgen_commit, until=EARLY_STEPS),
           os.path.join(args.out, "train_procgen_first_1M.json.gz"))
 
 
