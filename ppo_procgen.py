@@ -506,8 +506,7 @@ def train(args):
                 log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
                               episode_lengths, recent_returns, stats, times)
                 if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
-                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
-                                     recent_returns)
+                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step)
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
                 if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                     state = checkpoint_state(args, run_name, iteration, agent, optimizers, envs.env, kl_beta)
@@ -542,11 +541,11 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step,
-                     recent_returns):
+def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration,
+                     global_step):
     """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
-    --capture-video and, with --on-track, sets the last 100 training episodes (`recent_returns`)
-    against the anchors' runs at this step."""
+    --capture-video and, with --on-track, sets the run's logged last-100-episode returns against
+    the anchors' runs at this step."""
     video = None
     if args.capture_video and rank == 0:
         video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4")
@@ -560,17 +559,16 @@ def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, ite
     print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
           "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
           + (f", video {video}" if video else ""))
-    training_return = mean_or_none(recent_returns)
-    if args.on_track and rank == 0 and training_return is not None:
-        line = on_track_line(args, global_step, training_return)
+    if args.on_track and rank == 0:
+        line = on_track_line(args, global_step, run_dir)
         if line is not None:
             print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
 
 
-def on_track_line(args, global_step, training_return):
-    """The line of benchmarks/reference/on_track.py (the rules `benchmarks/results.py --on-track`
-    uses too) for this run at this step; None where no anchor matches or the script runs without
-    benchmarks/."""
+def on_track_line(args, global_step, run_dir):
+    """The line of benchmarks/reference/on_track.py (the rule `benchmarks/results.py --on-track`
+    uses too) for this run at this step, from the training rows in its metrics.jsonl; None where
+    no anchor matches, there is no training row (--eval-only) or there is no benchmarks/."""
     rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
     sys.path.insert(0, rules)
     try:
@@ -580,14 +578,14 @@ def on_track_line(args, global_step, training_return):
     finally:
         sys.path.remove(rules)
     run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
-    return on_track.run_on_track_line(run_args, global_step, training_return)
+    return on_track.run_on_track_line(run_args, global_step, os.path.join(run_dir, "metrics.jsonl"))
 
 
 def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
     """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
     process group are closed. Returns the run's directory."""
     evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
-                     checkpoint["iteration"], checkpoint["global_step"], recent_returns=())
+                     checkpoint["iteration"], checkpoint["global_step"])
     close_run(envs, logger)
     return run_dir
 

@@ -419,6 +419,19 @@ def test_the_lag_table_matches_its_json():
     assert checked == 20
 
 
+def test_the_quoted_on_track_line_is_the_committed_seed_2_runs():
+    """Issue 27: README's laptop recipe (and ppo.md, results.md) quote the windowed on-track line that PPO seed 2 on
+    StarPilot (benchmarks/results/procgen_cpu/) gets at 524,288 steps from benchmarks/reference/on_track.py."""
+    on_track = load("benchmarks/reference/on_track.py")
+    folder = os.path.join(ROOT, "benchmarks", "results", "procgen_cpu")
+    (run,) = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+              if json.load(open(os.path.join(folder, name, "args.json")))["seed"] == 2]
+    line = on_track.run_on_track_line(json.load(open(os.path.join(run, "args.json"))), 524_288,
+                                      os.path.join(run, "metrics.jsonl"))
+    assert line.startswith("starpilot @ 0.5M (mean of the last 131k steps): ours ")
+    for page in ("README.md", "docs/ppo.md", "docs/results.md"):
+        assert line in inline_spans(open(os.path.join(ROOT, page)).read()), page
+
 # ---- the checks can fail ----
 def test_the_checks_catch_a_bad_flag_a_bad_config_and_a_missing_file():
     bad = ("```bash\npython ppo_procgen.py --env-id starpilot --no-such-flag 3\n```\n"
@@ -671,7 +684,7 @@ def anchor_table_problems(texts):
 
 
 def game_number_problems(texts):
-    """A per-game return in the prose ("StarPilot 34.85 ± 1.83", "BossFight 9.17") must be in that game's row of a
+    """A per-game return in the prose ("StarPilot 35.12 ± 3.37", "BossFight 9.03") must be in that game's row of a
     results.md table: the anchors' tables are checked against the data, CleanRL's quoted table names its source."""
     rows = {}
     for row in table_rows(texts["docs/results.md"]):
@@ -908,7 +921,7 @@ POSIX_EXITS = {"SIGINT": 128 + 2, "SIGTERM": 128 + 15}  # what the real runs abo
 PLANTED_EDITS = [
     ("a flag default in a table", "docs/rlhf.md", "`--threads` (default 1)", "`--threads` (default 2)",
      default_problems),
-    ("StarPilot's anchor score", "docs/results.md", "34.85", "38.85", anchor_table_problems),
+    ("StarPilot's anchor score", "docs/results.md", "35.12", "38.12", anchor_table_problems),
     ("the exit statuses", "README.md", "exits 130 / 143", "exits 1 / 2",
      functools.partial(exit_problems, observed=POSIX_EXITS)),
     ("a hyperparameter table's ours column", "docs/ppo.md", "| 0.999 / 0.95 | `--gamma`", "| 0.99 / 0.95 | `--gamma`",

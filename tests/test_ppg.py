@@ -232,10 +232,10 @@ def test_on_track_line_names_the_run_as_its_args_json(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "on_track", raising=False)
     (tmp_path / "benchmarks" / "reference").mkdir(parents=True)
     (tmp_path / "benchmarks" / "reference" / "on_track.py").write_text(
-        "def run_on_track_line(args, global_step, our_return):\n"
-        "    return f\"{args['script']} {args['arch']} {args['policy_loss']} @ {global_step}: ours {our_return}\"\n")
-    line = ppg.on_track_line(ppg.Args(arch="detach", policy_loss="kl-penalty"), 8_000_000, 3.5)
-    assert line == "ppg_procgen.py detach kl-penalty @ 8000000: ours 3.5"
+        "def run_on_track_line(args, global_step, metrics_path):\n"
+        "    return f\"{args['script']} {args['arch']} {args['policy_loss']} @ {global_step}: {metrics_path}\"\n")
+    line = ppg.on_track_line(ppg.Args(arch="detach", policy_loss="kl-penalty"), 8_000_000, "runs/x")
+    assert line == "ppg_procgen.py detach kl-penalty @ 8000000: runs/x/metrics.jsonl"
     monkeypatch.delitem(sys.modules, "on_track")
 
 

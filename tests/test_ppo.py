@@ -558,24 +558,56 @@ def test_checkpoints_keep_the_keys_earlier_versions_wrote(cue_env, in_tmp):
 
 
 def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp_path, monkeypatch):
-    """Issue 24 item 3: the in-run line is benchmarks/reference/on_track.py's (the rules results.py --on-track uses),
-    given the run's args.json dict; a copy of the script without benchmarks/ skips it; sys.path is left as it was."""
+    """Issue 24 item 3: the in-run line is benchmarks/reference/on_track.py's (the rule results.py --on-track uses),
+    given the run's args.json dict and its metrics.jsonl; a copy of the script without benchmarks/ skips it; sys.path
+    is left as it was."""
     monkeypatch.delitem(sys.modules, "on_track", raising=False)
-    real = ppo.on_track_line(ppo.Args(), 1_500_000, 3.0)  # the repository's rules: baselines PPO easy-all
-    assert real.startswith("starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
+    rows = [{"global_step": 16_384 * row, "iteration": row, "charts/episodic_return_last100": 3.0}
+            for row in range(1, 92)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    real = ppo.on_track_line(ppo.Args(), 1_490_944, str(tmp_path))  # the repository's rules: baselines PPO easy-all
+    assert real.startswith("starpilot @ 1.5M (mean of the last 131k steps): ours 3.0 (1 seed) vs official baselines "
+                           "PPO (easy-all) ")
     monkeypatch.delitem(sys.modules, "on_track")
     monkeypatch.setattr(ppo, "__file__", str(tmp_path / "ppo_procgen.py"))
     # Other tests put the repository's benchmarks/reference on sys.path; a copy of the script must not find it there.
     monkeypatch.setattr(sys, "path", [path for path in sys.path if not path.endswith(os.path.join("benchmarks",
                                                                                                  "reference"))])
     path_before = list(sys.path)
-    assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) is None  # no benchmarks/ next to the script
+    assert ppo.on_track_line(ppo.Args(), 12_000_000, str(tmp_path)) is None  # no benchmarks/ next to the script
     rules = tmp_path / "benchmarks" / "reference"
     rules.mkdir(parents=True)
     sys.path_importer_cache.pop(str(rules), None)  # python remembers the folder was missing
     (rules / "on_track.py").write_text(
-        "def run_on_track_line(args, global_step, our_return):\n"
-        "    return f\"{args['script']} {args['env_id']} @ {global_step}: ours {our_return}\"\n")
-    assert ppo.on_track_line(ppo.Args(), 12_000_000, 14.2) == "ppo_procgen.py starpilot @ 12000000: ours 14.2"
+        "def run_on_track_line(args, global_step, metrics_path):\n"
+        "    return f\"{args['script']} {args['env_id']} @ {global_step}: {metrics_path}\"\n")
+    line = ppo.on_track_line(ppo.Args(), 12_000_000, "runs/x")
+    assert line == "ppo_procgen.py starpilot @ 12000000: runs/x/metrics.jsonl"
     assert sys.path == path_before
     monkeypatch.delitem(sys.modules, "on_track")
+
+
+def test_evaluation_prints_the_windowed_line_of_the_logged_rows(tmp_path, monkeypatch, capsys):
+    """Issue 27: after the iteration's row is logged, the evaluation's on-track line reads the run's own rows: ours is
+    the mean of the last 8 iterations' last-100 returns, not the last one; rank 0 alone prints it, --no-on-track and
+    a folder without training rows (--eval-only) print none."""
+    monkeypatch.setattr(ppo, "evaluate", lambda agent, args, device, num_episodes, seed, video: [1.0] * num_episodes)
+
+    class Rows:  # the Logger's one method evaluate_and_log calls: the row goes to metrics.jsonl
+        def log(self, row, video=None):
+            with open(tmp_path / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    returns = [2.0] * 83 + [3.0] * 7 + [10.0]  # a spike in the last iteration
+    rows = [{"global_step": 16_384 * row, "iteration": row, "charts/episodic_return_last100": value}
+            for row, value in enumerate(returns, start=1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for rank, on_track in ((0, True), (1, True), (0, False)):
+        ppo.evaluate_and_log(None, ppo.Args(on_track=on_track), "cpu", rank, 1, Rows(), str(tmp_path), 91, 1_490_944)
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("on track?")] == [
+        "on track? last 100 training episodes: starpilot @ 1.5M (mean of the last 131k steps): ours 3.9 (1 seed) vs "
+        + ppo.on_track_line(ppo.Args(), 1_490_944, str(tmp_path)).split(" vs ", 1)[1] + " (--no-on-track: off)"]
+    assert len(out) == 4  # three evaluation lines and one on-track line
+    (tmp_path / "metrics.jsonl").unlink()  # --eval-only: a fresh folder, its evaluation row only
+    ppo.evaluate_and_log(None, ppo.Args(), "cpu", 0, 1, Rows(), str(tmp_path), 91, 1_490_944)
+    assert "on track?" not in capsys.readouterr().out

@@ -64,25 +64,30 @@ def test_reference_data_reproduces_the_ppg_papers_headline(ppg):
 
 
 def test_reference_data_keeps_the_raw_csv_values_at_their_exact_steps(ppg, train_procgen):
-    """Spot values copied by hand from the raw CSVs: the final row and row 400 (PPG) or 800 (train-procgen)."""
-    for run, game, final, row_400 in (("ppg-run0", "starpilot", 22.482500076293945, 17.100000381469727),
-                                      ("ppo-run1", "bigfish", 19.727500915527344, 7.369999885559082),
-                                      ("ppgsingle-run2", "coinrun", 8.824999809265137, 8.600000381469727),
-                                      ("ppgkl-run0", "heist", 5.599999904632568, 2.5),
-                                      ("e-pi-3", "maze", 9.225000381469727, 5.050000190734863)):
+    """Spot values copied by hand from the raw CSVs: the final row, rows 400 and 401 (PPG) or 800 and 801
+    (train-procgen); every logged row is kept (the on-track window averages the last 8)."""
+    for run, game, final, row_400, row_401 in (
+            ("ppg-run0", "starpilot", 22.482500076293945, 17.100000381469727, 17.584999084472656),
+            ("ppo-run1", "bigfish", 19.727500915527344, 7.369999885559082, 7.989999771118164),
+            ("ppgsingle-run2", "coinrun", 8.824999809265137, 8.600000381469727, 8.399999618530273),
+            ("ppgkl-run0", "heist", 5.599999904632568, 2.5, 2.4749999046325684),
+            ("e-pi-3", "maze", 9.225000381469727, 5.050000190734863, 5.0)):
         curve = ppg["curves"][run][game]
-        assert len(curve["steps"]) == 382  # rows 4, 8, ..., 1524 and the last, 1526
+        assert curve["steps"] == [row * 65_536 for row in range(1, 1527)]  # rows 1, 2, ..., 1526
         assert curve["steps"][-1] == 1526 * 4 * 64 * 256 == 100_007_936
         assert curve["returns"][-1] == pytest.approx(final, abs=1e-5)
         assert curve["returns"][curve["steps"].index(400 * 65_536)] == pytest.approx(row_400, abs=1e-5)
-    for run, game, final, row_800, workers in (("easy-all-run2", "starpilot", 35.83000183105469, 34.650001525878906, 1),
-                                               ("easy-200-run1:test", "bigfish", 10.130000114440918,
-                                                3.390000104904175, 1),
-                                               ("hard-all-run0", "fruitbot", 23.39750051498413, 20.482500076293945, 4)):
+        assert curve["returns"][curve["steps"].index(401 * 65_536)] == pytest.approx(row_401, abs=1e-5)
+    for run, game, final, row_800, row_801, workers in (
+            ("easy-all-run2", "starpilot", 35.83000183105469, 34.650001525878906, 32.560001373291016, 1),
+            ("easy-200-run1:test", "bigfish", 10.130000114440918, 3.390000104904175, 3.0399999618530273, 1),
+            ("hard-all-run0", "fruitbot", 23.39750051498413, 20.482500076293945, 20.40999984741211, 4)):
         curve = train_procgen["curves"][run if ":" in run else f"{run}:train"][game]
+        assert curve["steps"] == [row * 16_384 * workers for row in range(1, 3052)]  # rows 1, 2, ..., 3051
         assert curve["steps"][-1] == 49_987_584 * workers  # misc/total_timesteps of the last row, x workers
         assert curve["returns"][-1] == pytest.approx(final, abs=1e-5)
         assert curve["returns"][curve["steps"].index(13_107_200 * workers)] == pytest.approx(row_800, abs=1e-5)
+        assert curve["returns"][curve["steps"].index(13_123_584 * workers)] == pytest.approx(row_801, abs=1e-5)
     assert sorted(train_procgen["experiments"]) == ["easy-200-test", "easy-200-train", "easy-all", "hard-500-test",
                                                     "hard-500-train", "hard-all"]
     assert all(len(curves) == 16 for curves in list(ppg["curves"].values()) + list(train_procgen["curves"].values()))
@@ -93,7 +98,7 @@ def test_reference_data_keeps_the_raw_csv_values_at_their_exact_steps(ppg, train
 
 
 def test_build_script_on_a_tiny_results_tree(tmp_path):
-    """build_reference.py on fake CSVs in the repos' layouts: stride, the last row kept, steps, empty cells."""
+    """build_reference.py on fake CSVs in the repos' layouts: every row, steps, empty cells, the early file."""
     ppg_results = tmp_path / "ppg" / "phasic_policy_gradient" / "results"
     for run in ("ppo-run0", "ppg-run0", "e-pi-2"):
         os.makedirs(ppg_results / run)
@@ -111,15 +116,20 @@ def test_build_script_on_a_tiny_results_tree(tmp_path):
                           str(tmp_path / "out")])
     ppg = json.load(gzip.open(tmp_path / "out" / "phasic_policy_gradient.json.gz", "rt"))
     curve = ppg["curves"]["ppg-run0"]["maze"]
-    assert curve == {"steps": [4 * 65536, 8 * 65536, 10 * 65536], "returns": [None, 8.5, 10.5]}
+    assert curve == {"steps": [row * 65536 for row in range(1, 11)],
+                     "returns": [1.5, 2.5, 3.5, None, 5.5, 6.5, 7.5, 8.5, 9.5, 10.5]}
     assert ppg["experiments"]["e-pi-2"]["seeds"] == ["e-pi-2"] and ppg["experiments"]["ppgkl"]["seeds"] == []
     tp = json.load(gzip.open(tmp_path / "out" / "train_procgen.json.gz", "rt"))
-    assert tp["curves"]["hard-500-run0:test"]["coinrun"] == {"steps": [8 * 16384 * 4, 16 * 16384 * 4, 19 * 16384 * 4],
-                                                             "returns": [8.25, 16.25, 19.25]}
+    assert tp["curves"]["hard-500-run0:test"]["coinrun"] == {"steps": [i * 16384 * 4 for i in range(1, 20)],
+                                                             "returns": [i + 0.25 for i in range(1, 20)]}
     assert tp["experiments"]["easy-200-test"]["seeds"] == ["easy-200-run0:test"]
+    early = json.load(gzip.open(tmp_path / "out" / "train_procgen_first_1M.json.gz", "rt"))  # rows to 1,048,576
+    assert early["curves"]["hard-500-run0:test"]["coinrun"]["steps"] == [i * 16384 * 4 for i in range(1, 17)]
+    assert early["curves"]["easy-all-run0:train"]["coinrun"] == tp["curves"]["easy-all-run0:train"]["coinrun"]
     again = tmp_path / "again"
     build_reference.main(["--ppg", str(tmp_path / "ppg"), "--train-procgen", str(tp_results), "--out", str(again)])
-    for name in ("phasic_policy_gradient.json.gz", "train_procgen.json.gz"):  # the same bytes every time
+    assert len(os.listdir(again)) == 3
+    for name in os.listdir(again):  # the same bytes every time
         assert (again / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
 
 
@@ -219,24 +229,52 @@ def test_overlay_draws_the_matching_reference_behind_our_runs(tmp_path, monkeypa
     assert drawn == []
 
 
-def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg):
-    """Seeds at different steps: the line is at the latest step all of them reached, their last-100 returns
-    interpolated there, against the official seeds' mean [min, max] there."""
+def naive_window(data, experiment, game, step, width):
+    """Each reference seed's mean over its stored rows in (step - width, step], by a loop over the stored lists."""
+    means = []
+    for seed in data["experiments"][experiment]["seeds"]:
+        curve = data["curves"][seed][game]
+        inside = [value for at, value in zip(curve["steps"], curve["returns"]) if step - width < at <= step]
+        means.append(sum(inside) / len(inside))
+    return np.array(means)
+
+
+def write_metrics(path, spacing, until, last100):
+    """A metrics.jsonl as the scripts log it: a training row every `spacing` steps to `until` (the last-100 return
+    `last100(step)`), an evaluation row (no last-100 return) at the end; returns its path."""
+    rows = [{"global_step": step, "iteration": step // spacing, "charts/episodic_return_last100": last100(step)}
+            for step in range(spacing, until + 1, spacing)]
+    rows.append({"global_step": until, "iteration": until // spacing, "eval/episodic_return": 1.0})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg, train_procgen):
+    """Seeds at different steps: the line is at the latest step all of them reached; each of our seeds and each
+    official seed is the mean of its rows in the last 8 official iterations before it (8 x 65,536 steps for PPG)."""
     runs = tmp_path / "runs"
     ppg_runs(runs, "starpilot", [12.5, 25.0], stop_after=3)  # seeds 1, 2 at 12M (iteration 3 of 25)
     ppg_runs(runs, "starpilot", [50.0], stop_after=2, first_seed=3)  # seed 3 at 8M
     summary = results.main(["--on-track", str(runs)])
-    ours = np.array([12.5 * 2 / 25, 25.0 * 2 / 25, 50.0 * 2 / 25])  # all three at 8M (seed 3 is there)
-    theirs = reference_returns(ppg, "ppg", "starpilot", 8e6)
-    expected = (f"PPG (hard) starpilot @ 8.0M: ours {ours.mean():.1f} ± {ours.std(ddof=1):.1f} (3 seeds) vs official "
-                f"PPG {theirs.mean():.1f} [{theirs.min():.1f}, {theirs.max():.1f}] (below)")
+    ours = np.array([12.5 * 2 / 25, 25.0 * 2 / 25, 50.0 * 2 / 25])  # all three at 8M, their one row in the window
+    theirs = naive_window(ppg, "ppg", "starpilot", 8e6, 8 * 65_536)
+    expected = (f"PPG (hard) starpilot @ 8.0M (mean of the last 524k steps): ours {ours.mean():.1f} ± "
+                f"{ours.std(ddof=1):.1f} (3 seeds) vs official PPG {theirs.mean():.1f} [{theirs.min():.1f}, "
+                f"{theirs.max():.1f}] (below)")
     assert summary["on_track"] == [expected]
     out = capsys.readouterr().out
     assert expected in out and "wrote" not in out  # no figures, no tables
-    # The scripts' one-run version (benchmarks/results.py's format for one seed, without the seed count).
-    line = results.on_track_line("starpilot", 8e6, [4.0], "official PPG", theirs)
-    assert line == (f"starpilot @ 8.0M: ours 4.0 (1 seed) vs official PPG {theirs.mean():.1f} [{theirs.min():.1f}, "
-                    f"{theirs.max():.1f}] (below)")
+    # Rows finer than the window (PPO easy, an iteration of 16,384 steps as baselines PPO's): 8 rows of each seed.
+    easy = tmp_path / "easy"
+    for seed, final in ((1, 4.0), (2, 6.0)):
+        write_run(easy, "ppo_procgen", "starpilot", seed, final, steps_per_iteration=16_384, iterations=32)
+    ours = np.array([np.mean([final * iteration / 32 for iteration in range(25, 33)]) for final in (4.0, 6.0)])
+    theirs = naive_window(train_procgen, "easy-all", "starpilot", 32 * 16_384, 8 * 16_384)
+    verdict = "below" if ours.mean() < theirs.min() else "above" if ours.mean() > theirs.max() else "within"
+    assert results.main(["--on-track", str(easy)])["on_track"] == [
+        f"PPO (easy) starpilot @ 0.5M (mean of the last 131k steps): ours {ours.mean():.1f} ± {ours.std(ddof=1):.1f} "
+        f"(2 seeds) vs official baselines PPO (easy-all) {theirs.mean():.1f} [{theirs.min():.1f}, {theirs.max():.1f}] "
+        f"({verdict})"]
     # No reference: say so in one line.
     plain = tmp_path / "plain"
     write_run(plain, "vtrace", "starpilot", 1, 5.0)
@@ -244,33 +282,125 @@ def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg):
     assert "no run matches a reference" in capsys.readouterr().out
 
 
-def test_the_scripts_in_run_line_is_the_rules_modules():
-    """Each Procgen script's on-track line is on_track.run_on_track_line of its own args.json dict: PPO easy against
-    baselines PPO, PPG's variants against their official folders, IMPALA none (issue 24 item 3)."""
+def test_a_single_point_spike_flips_no_windowed_verdict():
+    """Issue 27: one iteration's last-100 mean moves by ~0.4, so a verdict from single points is chance. A spike in our
+    row at the step, or in an anchor seed's, flips the single-point verdict (np.interp at the step, the rule before)
+    but not the windowed one; moving the whole window does flip it. The window is 8 reference rows, (step - W, step]."""
+    import on_track
+
+    def anchor(curves):
+        return on_track.Reference("test/anchor", "the anchor", "", "easy", 0, "train", {"starpilot": curves})
+
+    def single_point(ours, reference):
+        theirs = on_track.reference_at(reference, "starpilot", step)
+        return on_track.on_track_line("x", [np.interp(step, steps, ours)], "the anchor", theirs).split()[-1]
+
+    def windowed(ours, reference):
+        return on_track.windowed_line("starpilot", step, [(steps, ours)], reference).split()[-1]
+
+    steps = np.arange(1, 41) * 16_384.0
+    step = 32 * 16_384  # row 32
+    flat = anchor([(steps, np.full(40, level)) for level in (3.5, 4.0, 4.5)])
+    ours = np.full(40, 3.0)
+    assert single_point(ours, flat) == windowed(ours, flat) == "(below)"
+    spike = ours.copy()
+    spike[31] = 6.0  # our one good iteration at the step
+    assert single_point(spike, flat) == "(above)" and windowed(spike, flat) == "(below)"  # (7 x 3 + 6) / 8 = 3.375
+    dip = [(steps, np.full(40, level)) for level in (3.5, 4.0, 4.5)]
+    dip[0][1][31] = 0.0  # the anchor's lowest seed has a bad iteration at the step
+    assert single_point(ours, anchor(dip)) == "(within)" and windowed(ours, anchor(dip)) == "(below)"  # 3.06
+    assert windowed(ours + 2.0, flat) == "(above)" and windowed(ours + 0.75, flat) == "(within)"
+    assert on_track.windowed_line("starpilot", step, [(steps, spike)], flat) == (
+        "starpilot @ 0.5M (mean of the last 131k steps): ours 3.4 (1 seed) vs the anchor 4.0 [3.5, 4.5] (below)")
+    # The window: rows 25..32 count, row 24 does not; from 0 before 8 rows; none past the anchor's last row, and none
+    # where we logged no row in it.
+    assert on_track.reference_window(flat, "starpilot", step)[0] == 8 * 16_384
+    assert on_track.window_mean(steps, np.arange(40.0), step, 8 * 16_384) == np.mean(np.arange(24, 32))
+    assert on_track.window_mean(steps, np.arange(40.0), 3 * 16_384, 8 * 16_384) == 1.0  # rows 1, 2, 3
+    assert on_track.windowed_line("starpilot", 41 * 16_384, [(steps, ours)], flat) is None
+    assert on_track.windowed_line("starpilot", step, [(steps[:10], ours[:10])], flat) is None
+
+
+@pytest.mark.parametrize("step", [131_072, 262_144, 524_288])
+def test_windows_of_the_committed_cpu_runs_are_the_last_8_iterations(step, train_procgen, tmp_path):
+    """benchmarks/results/procgen_cpu/ (PPO on StarPilot, 2-core CPU): at 131k, 262k, 524k the windowed line's numbers
+    are the means over the 8 iterations ending at the step (16,384 steps each), both sides, computed here by a loop
+    over the raw rows; the in-run line of a run is results.py's line of that one run."""
+    import on_track
+    folder = os.path.join(ROOT, "benchmarks", "results", "procgen_cpu")
+    theirs = []
+    for seed in train_procgen["experiments"]["easy-all"]["seeds"]:
+        by_step = dict(zip(train_procgen["curves"][seed]["starpilot"]["steps"],
+                           train_procgen["curves"][seed]["starpilot"]["returns"]))
+        theirs.append(sum(by_step[step - k * 16_384] for k in range(8)) / 8)
+    reference = results.load_references()["train_procgen/easy-all"]
+    width, means = on_track.reference_window(reference, "starpilot", step)
+    assert width == 131_072 and means == pytest.approx(theirs, abs=1e-9)
+    checked = 0
+    for run in sorted(os.listdir(folder)):
+        path = os.path.join(folder, run, "metrics.jsonl")
+        with open(path) as f:
+            rows = {row["global_step"]: row for row in map(json.loads, f) if "charts/episodic_return_last100" in row}
+        with open(os.path.join(folder, run, "args.json")) as f:
+            args = json.load(f)
+        line = on_track.run_on_track_line(args, step, path)
+        if step not in rows:
+            assert line is None  # a partial run that has not logged the step
+            continue
+        ours = sum(rows[step - k * 16_384]["charts/episodic_return_last100"] for k in range(8)) / 8
+        assert on_track.window_mean(*on_track.read_last100(path), step, width) == pytest.approx(ours, abs=1e-9)
+        assert line == on_track.on_track_line(f"starpilot @ {results.format_step(step)} (mean of the last 131k "
+                                              "steps)", [ours], "official baselines PPO (easy-all)", np.array(theirs))
+        copy = tmp_path / run  # the run as it was at `step`: results.py --on-track gives the same line
+        copy.mkdir()
+        (copy / "args.json").write_text(json.dumps(args))
+        with open(path) as f:
+            (copy / "metrics.jsonl").write_text("".join(line for line in f if json.loads(line)["global_step"] <= step))
+        assert results.main(["--on-track", str(copy)])["on_track"] == [f"PPO (easy) {line}"]
+        checked += 1
+    assert checked >= 1
+
+
+def test_the_scripts_in_run_line_is_the_rules_modules(tmp_path):
+    """Each Procgen script's on-track line is on_track.run_on_track_line of its own args.json dict and its run's
+    metrics.jsonl: PPO easy against baselines PPO, PPG's variants against their official folders, IMPALA none (issue 24
+    item 3); an --eval-only run's folder (no training row) gets no line."""
     import on_track
     import ppg_procgen
     import ppo_procgen
     import vtrace
-    for module, args, step in ((ppo_procgen, ppo_procgen.Args(), 1_500_000),
-                               (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", arch="detach"), 12e6),
-                               (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", policy_loss="kl-penalty",
-                                                              target_kl=0.01), 12e6),
-                               (vtrace, vtrace.Args(), 1_500_000)):
+    for name, spacing, until in (("easy", 16_384, 1_500_000), ("hard", 65_536, 12_000_000)):
+        (tmp_path / name).mkdir()
+        write_metrics(tmp_path / name / "metrics.jsonl", spacing, until, lambda step: 3.0)
+    for module, args, step, name in ((ppo_procgen, ppo_procgen.Args(), 1_490_944, "easy"),
+                                     (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", arch="detach"),
+                                      11_993_088, "hard"),
+                                     (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", policy_loss="kl-penalty",
+                                                                    target_kl=0.01), 11_993_088, "hard"),
+                                     (vtrace, vtrace.Args(), 1_490_944, "easy")):
         run_args = {"script": os.path.basename(module.__file__), **dataclasses.asdict(args)}
-        assert module.on_track_line(args, step, 3.0) == on_track.run_on_track_line(run_args, step, 3.0)
-    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_500_000, 3.0).startswith(
-        "starpilot @ 1.5M: ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
+        assert module.on_track_line(args, step, str(tmp_path / name)) == on_track.run_on_track_line(
+            run_args, step, str(tmp_path / name / "metrics.jsonl"))
+    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(tmp_path / "easy")).startswith(
+        "starpilot @ 1.5M (mean of the last 131k steps): ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
     assert "official PPG single-network" in ppg_procgen.on_track_line(
-        ppg_procgen.Args(distribution_mode="hard", arch="detach"), 12e6, 3.0)
-    assert vtrace.on_track_line(vtrace.Args(), 1_500_000, 3.0) is None
+        ppg_procgen.Args(distribution_mode="hard", arch="detach"), 11_993_088, str(tmp_path / "hard"))
+    assert vtrace.on_track_line(vtrace.Args(), 1_490_944, str(tmp_path / "easy")) is None
+    evaluation_only = tmp_path / "starpilot__ppo_procgen__1__1__eval"
+    evaluation_only.mkdir()
+    (evaluation_only / "metrics.jsonl").write_text(json.dumps({"global_step": 1_490_944, "iteration": 91,
+                                                               "eval/episodic_return": 3.0}) + "\n")
+    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(evaluation_only)) is None
+    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(tmp_path / "none")) is None  # no file
 
 
-def test_one_rule_set_for_the_in_run_line_and_results_py():
-    """benchmarks/reference/on_track.py picks the anchor for both: the in-run line of one seed is results.py's line,
-    for every anchor the rules can pick (PPO easy and hard, PPG and its variants), and None where none matches."""
+def test_one_rule_set_for_the_in_run_line_and_results_py(tmp_path):
+    """benchmarks/reference/on_track.py picks the anchor for both: the in-run line of one seed is `windowed_line` of its
+    logged rows against the anchor the rules pick (PPO easy and hard, PPG and its variants), and None where none
+    matches or the anchor did not log the step."""
     import on_track
     base = {"env_id": "starpilot", "num_levels": 0, "policy_loss": "clip", "arch": "dual"}
-    cases = [({"script": "ppo_procgen.py", "distribution_mode": "easy"}, 1_500_000, "train_procgen/easy-all"),
+    cases = [({"script": "ppo_procgen.py", "distribution_mode": "easy"}, 1_490_944, "train_procgen/easy-all"),
              ({"script": "ppo_procgen.py", "distribution_mode": "hard", "init": "normed"}, 12e6,
               "phasic_policy_gradient/ppo"),
              ({"script": "ppg_procgen.py", "distribution_mode": "hard"}, 12e6, "phasic_policy_gradient/ppg"),
@@ -280,22 +410,25 @@ def test_one_rule_set_for_the_in_run_line_and_results_py():
               "phasic_policy_gradient/ppgkl"),
              ({"script": "ppg_procgen.py", "distribution_mode": "hard", "n_pi": 16}, 12e6,
               "phasic_policy_gradient/n-pi-16")]
+    metrics = write_metrics(tmp_path / "metrics.jsonl", 16_384, 12_500_000, lambda step: step / 1e6)
+    curve = on_track.read_last100(metrics)
     references = results.load_references()
     for flags, step, key in cases:
         args = {**base, **flags}
-        theirs = results.reference_at(references[key], "starpilot", step)
-        expected = results.on_track_line("starpilot", step, [3.0], references[key].label, theirs)
-        assert on_track.run_on_track_line(args, step, 3.0) == expected, key
+        expected = on_track.windowed_line("starpilot", step, [curve], references[key])
+        assert expected is not None and references[key].label in expected
+        assert on_track.run_on_track_line(args, step, metrics) == expected, key
         assert on_track.no_match_reason(args) is None
     for flags in ({"script": "vtrace.py", "distribution_mode": "easy"},
                   {"script": "ppo_procgen.py", "distribution_mode": "easy", "policy_loss": "kl-penalty"},
                   {"script": "ppg_procgen.py", "distribution_mode": "easy"},
                   {"script": "ppg_procgen.py", "distribution_mode": "hard", "n_pi": 16, "e_aux": 3}):
         args = {**base, **flags}
-        assert on_track.run_on_track_line(args, 12e6, 3.0) is None
+        assert on_track.run_on_track_line(args, 12e6, metrics) is None
         assert on_track.no_match_reason(args)  # a reason in words
-    # A step the anchor never logged: no line.
-    assert on_track.run_on_track_line({**base, **cases[2][0]}, 1_000, 3.0) is None
+    # A step before the anchor's first row, or after its last: no line.
+    assert on_track.run_on_track_line({**base, **cases[2][0]}, 1_000, metrics) is None
+    assert on_track.run_on_track_line({**base, **cases[0][0]}, 60e6, metrics) is None
 
 
 def test_rules_module_imports_no_script():

@@ -1,5 +1,7 @@
 """Which anchor a run is compared against, and the "on track?" line: one set of rules for the scripts' in-run line
 (imported lazily at each evaluation) and for `benchmarks/results.py` (its figures, tables and --on-track).
+The line compares windows, not single points (`windowed_line`): at a step, each side's mean of the last-100-episode
+return over the anchor's last 8 logged iterations before it.
 
 The anchors are the runs that the official PPG code and openai/train-procgen committed (this folder's .json.gz files,
 built by build_reference.py). A run matches an anchor by its script, distribution mode, number of training levels and,
@@ -114,15 +116,57 @@ def format_step(step):
     return f"{step / 1e6:.1f}M" if step >= 1e5 else f"{step / 1e3:.1f}k"
 
 
-def on_track_line(game, step, ours, label, theirs):
-    """`starpilot @ 12.0M: ours 14.2 +- 1.1 (3 seeds) vs official PPG 13.0 [11.5, 14.8] (within)`: our mean (and std
-    over seeds) against the reference seeds' mean and range at the same step, and where ours falls in that range."""
+# The on-track rule. About 160 episodes end in a 16,384-step iteration of baselines PPO, so one logged row (the mean of
+# the last 100 episodes) is one iteration's statistic that moves by ~0.4 from row to row on StarPilot (issue 27): a
+# single point on either side decides "below" or "above" by chance. Both sides are averaged over the same window
+# instead: the anchor's last WINDOW_ROWS logged iterations before the step.
+WINDOW_ROWS = 8
+
+
+def reference_window(reference, game, step):
+    """(W, each reference seed's mean return over its rows in (step - W, step]): W = WINDOW_ROWS x the reference's row
+    spacing (baselines PPO easy: 8 x 16,384 steps; hard and the official PPG runs: 8 x 65,536); None where a seed did
+    not log through `step` or has no row in the window."""
+    curves = reference.curves.get(game, [])
+    spacings = [np.diff(x).min() for x, _ in curves if len(x) > 1]
+    if not spacings or any(not len(x) or x[-1] < step for x, _ in curves):
+        return None
+    width = WINDOW_ROWS * min(spacings)
+    means = [window_mean(x, y, step, width) for x, y in curves]
+    return None if None in means else (width, np.array(means))
+
+
+def window_mean(steps, returns, step, width):
+    """The mean of the `returns` logged at `steps` in (step - width, step], None where none is."""
+    inside = (np.asarray(steps) > step - width) & (np.asarray(steps) <= step)
+    return float(np.mean(np.asarray(returns)[inside])) if inside.any() else None
+
+
+def windowed_line(game, step, our_curves, reference):
+    """The on-track line of our seeds' (steps, last-100-episode returns) curves at `step` against `reference`, each side
+    the mean over the window of `reference_window`; None where the reference has no window there or a seed of ours
+    logged no row in it."""
+    window = reference_window(reference, game, step)
+    if window is None:
+        return None
+    width, theirs = window
+    ours = [window_mean(x, y, step, width) for x, y in our_curves]
+    if not ours or None in ours:
+        return None
+    return on_track_line(f"{game} @ {format_step(step)} (mean of the last {width / 1e3:,.0f}k steps)", ours,
+                         reference.label, theirs)
+
+
+def on_track_line(heading, ours, label, theirs):
+    """`starpilot @ 12.0M (mean of the last 524k steps): ours 14.2 ± 1.1 (3 seeds) vs official PPG 13.0 [11.5, 14.8]
+    (within)`: after the `heading`, our mean (and std over seeds) against the reference seeds' mean and range, and
+    where ours falls in that range."""
     ours = np.asarray(ours, dtype=float)
     spread = f" ± {ours.std(ddof=1):.1f}" if len(ours) > 1 else ""
     low, high = theirs.min(), theirs.max()
-    where = "below" if ours.mean() < low else "above" if ours.mean() > high else "within"
-    return (f"{game} @ {format_step(step)}: ours {ours.mean():.1f}{spread} ({len(ours)} seed{'s' * (len(ours) > 1)}) "
-            f"vs {label} {theirs.mean():.1f} [{low:.1f}, {high:.1f}] ({where})")
+    verdict = "below" if ours.mean() < low else "above" if ours.mean() > high else "within"
+    return (f"{heading}: ours {ours.mean():.1f}{spread} ({len(ours)} seed{'s' * (len(ours) > 1)}) "
+            f"vs {label} {theirs.mean():.1f} [{low:.1f}, {high:.1f}] ({verdict})")
 
 
 def no_match_reason(args):
@@ -147,14 +191,25 @@ def no_match_reason(args):
     return f"ppg_procgen.py {' '.join(changed)}: no official run changed these together (or with this variant)"
 
 
-def run_on_track_line(args, global_step, our_return):
-    """One run's line at `global_step`, exactly as `results.py --on-track` prints it for one seed; None where no
-    anchor matches `args` (a run's args.json as a dict, with "script") or the anchor did not log that step."""
+def run_on_track_line(args, global_step, metrics_path):
+    """One run's line at `global_step`, exactly as `results.py --on-track` prints it for one seed, from the rows
+    of its metrics.jsonl (`metrics_path`); None where no anchor matches `args` (a run's args.json as a dict, with
+    "script"), the anchor did not log through that step or the run logged no training row in the window (as an
+    --eval-only run's folder)."""
     keys = match_references(args)[0]
     references = load_references()
-    if not keys or keys[0] not in references or our_return is None:
+    if not keys or keys[0] not in references or not os.path.exists(metrics_path):
         return None
-    theirs = reference_at(references[keys[0]], args["env_id"], global_step)
-    if theirs is None:
-        return None
-    return on_track_line(args["env_id"], global_step, [our_return], references[keys[0]].label, theirs)
+    return windowed_line(args["env_id"], global_step, [read_last100(metrics_path)], references[keys[0]])
+
+
+def read_last100(metrics_path):
+    """(steps, returns) of a metrics.jsonl's rows with a last-100-episode mean (a cut-off last line is left out)."""
+    steps, returns = [], []
+    with open(metrics_path) as f:
+        for line in f:
+            row = json.loads(line) if line.endswith("\n") else {}
+            if row.get("charts/episodic_return_last100") is not None:
+                steps.append(row["global_step"])
+                returns.append(row["charts/episodic_return_last100"])
+    return np.array(steps, dtype=float), np.array(returns, dtype=float)
