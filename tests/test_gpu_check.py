@@ -3,13 +3,13 @@ flags: it keeps a 30 s deadline, skips in the order of value, reports a failing 
 flags a failed learning run, and leaves its summary and at most 8 files. The real run needs the lent GPU machine."""
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tarfile
 
 import pytest
 from conftest import ROOT
+from gpu_bench_commands import parsed_commands
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
@@ -124,31 +124,8 @@ def test_ppg_policy_and_auxiliary_phases_are_measured_apart():
 
 
 def test_every_step_command_parses_at_tiny_and_at_real_flags():
-    import importlib
-
-    import tyro
     for tiny in ("", "1"):
-        listing = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, text=True,
-                                 capture_output=True, check=True,
-                                 env={**os.environ, "DRY_RUN": "1", "GPU_CHECK_TINY": tiny}).stdout
-        parsed = []
-        for line in listing.splitlines():
-            words = shlex.split(line)
-            if "bench.py" in line:
-                script = words[words.index("--script") + 1]
-                common = words[words.index("--common") + 1] if "--common" in words else ""
-                flag_sets = [common + " " + words[i + 1].split("=", 1)[1] for i, w in enumerate(words) if w == "--config"]
-            elif line.startswith("learn "):
-                script, flag_sets = "ppo_procgen.py", [line.split("SCRIPT ", 1)[1]]
-            elif "torch.distributed.run" in line:
-                script = next(word for word in words if word.endswith(".py"))
-                flag_sets = [shlex.join(words[words.index(script) + 1:])]
-            else:
-                continue
-            module = importlib.import_module(os.path.splitext(script)[0])
-            for flags in flag_sets:
-                module.check_args(tyro.cli(module.Args, args=shlex.split(flags)))
-                parsed.append(script)
+        listing, parsed = parsed_commands(tiny)
         assert len(parsed) == 3 + 1 + 2 + 1 + 1, listing
         assert ("--env-id bigfish" in listing) == bool(tiny)
 

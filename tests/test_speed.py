@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from gpu_bench_commands import parsed_commands
 
 import ppo_procgen as ppo
 
@@ -81,31 +82,7 @@ def test_channels_last_flag_sets_the_convolutions_input_layout(channels_last):
 
 def test_gpu_bench_dry_run_flags_parse():
     """The prepared GPU check runs only on a lent GPU machine: its every command's flags must parse here first."""
-    import importlib
-    import shlex
-    import subprocess
-
-    import tyro
-    listing = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, text=True,
-                             capture_output=True, env={**os.environ, "DRY_RUN": "1"}, check=True).stdout
-    parsed = []
-    for line in listing.splitlines():
-        words = shlex.split(line)
-        if "bench.py" in line:
-            script = words[words.index("--script") + 1]
-            flag_sets = [words[i + 1].split("=", 1)[1] for i, word in enumerate(words) if word == "--config"]
-        elif line.startswith("learn "):
-            script, flag_sets = "ppo_procgen.py", [line.split("SCRIPT ", 1)[1].replace("SEED", "1")]
-        elif "torch.distributed.run" in line:
-            script = next(word for word in words if word.endswith(".py"))
-            flag_sets = [shlex.join(words[words.index(script) + 1:])]
-        else:
-            continue
-        module = importlib.import_module(os.path.splitext(script)[0])
-        for flags in flag_sets:
-            args = tyro.cli(module.Args, args=shlex.split(flags))
-            module.check_args(args)
-            parsed.append((script, flags))
+    _, parsed = parsed_commands("")
     assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
     assert len(parsed) == 3 + 1 + 2 + 1 + 1, parsed  # PPO, PPG, IMPALA configurations, learning, NCCL
 
