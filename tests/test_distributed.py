@@ -53,8 +53,11 @@ def test_two_ranks_take_the_step_of_one_process_on_the_whole_minibatch():
 
 @pytest.mark.parametrize("script", ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py"])
 def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
-    flags = [*TINY, *SCRIPT_FLAGS[script], "--total-timesteps", str(64 * 40)]
-    process = torchrun(DRIVER, script, *flags)
+    """8 iterations: the ranks save at iteration 2, wait at their next stop check for the SIGTERM (the driver's
+    WAIT_FOR_SIGNAL: the stop lands mid-run however fast the machine), stop, and the resume trains the rest."""
+    iterations = 8
+    flags = [*TINY, *SCRIPT_FLAGS[script], "--total-timesteps", str(64 * iterations)]
+    process = torchrun(DRIVER, script, *flags, env={"WAIT_FOR_SIGNAL": "1"})
     deadline = time.time() + 240
     while not glob.glob("runs/*/checkpoint.pt"):
         assert time.time() < deadline and process.poll() is None, briefly(process.communicate()[0])
@@ -65,15 +68,15 @@ def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
     (run_dir,) = glob.glob("runs/*")
     path = os.path.join(run_dir, "checkpoint.pt")
     saved = torch.load(path, weights_only=True)
-    assert 2 <= saved["iteration"] < 40 and len(saved["ranks"]) == 2
+    assert 2 <= saved["iteration"] < iterations and len(saved["ranks"]) == 2
     assert saved["ranks"][0]["rng"]["torch"].ne(saved["ranks"][1]["rng"]["torch"]).any()  # each rank its own
 
     process = torchrun(DRIVER, script, "--resume", path)
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, briefly(output)
     rows = [row for row in read_rows(run_dir) if "losses/policy_loss" in row]
-    assert [row["iteration"] for row in rows] == list(range(1, 41))  # every iteration exactly once
-    assert rows[-1]["global_step"] == 64 * 40  # --num-envs and the step budget are global
+    assert [row["iteration"] for row in rows] == list(range(1, iterations + 1))  # every iteration exactly once
+    assert rows[-1]["global_step"] == 64 * iterations  # --num-envs and the step budget are global
     # CueEnv's episodes last 8 steps: 4 games x 16 steps = 8 episodes per iteration, 4 from each rank
     assert all(row["charts/episodes"] == 8 for row in rows[1:])
     with open(os.path.join(run_dir, "weights_rank0.txt")) as f0, open(os.path.join(run_dir, "weights_rank1.txt")) as f1:

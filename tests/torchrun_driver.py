@@ -1,12 +1,15 @@
 """Runs a training script under torchrun for tests/test_distributed.py:
     python -m torch.distributed.run --nproc-per-node 2 tests/torchrun_driver.py SCRIPT.py [flags]
 Test-only hooks, by environment variable: CUE_ENV=1 swaps Procgen for CueEnv (as the cue_env fixture does);
-FAIL_RANK=r with FAIL_FUNCTION=name makes that rank's module function raise on its second call. After training
-each rank writes a checksum of its final weights to <run_dir>/weights_rank<r>.txt."""
+FAIL_RANK=r with FAIL_FUNCTION=name makes that rank's module function raise on its second call; WAIT_FOR_SIGNAL=1
+makes each rank's first stop check after its first checkpoint wait (up to 120 s) for the test's signal, so that a
+short run is always stopped mid-run, however fast or slow the machine. After training each rank writes a checksum of
+its final weights to <run_dir>/weights_rank<r>.txt."""
 import hashlib
 import importlib
 import os
 import sys
+import time
 
 import torch
 import tyro
@@ -28,6 +31,17 @@ if os.environ.get("FAIL_RANK") == str(rank):
             raise RuntimeError(f"injected failure on rank {rank}")
         return original(*args, **kwargs)
     setattr(module, os.environ["FAIL_FUNCTION"], failing)
+if os.environ.get("WAIT_FOR_SIGNAL"):
+    requested = module.StopOnSignal.requested
+
+    def requested_once_signalled(self):
+        if self.last_checkpoint is not None and not getattr(self, "waited", False):
+            self.waited = True
+            deadline = time.time() + 120
+            while not self.signals and time.time() < deadline:
+                time.sleep(0.05)  # the signal's handler runs during the sleep
+        return requested(self)
+    module.StopOnSignal.requested = requested_once_signalled
 agents, make_agent = [], module.Agent
 module.Agent = lambda *args, **kwargs: agents.append(make_agent(*args, **kwargs)) or agents[-1]
 
