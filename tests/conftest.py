@@ -28,6 +28,30 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+# ppo_rlhf_toy.py at tiny flags (about 30 s on the 2-core CPU): the RM beats chance and PPO raises the gold score.
+RLHF_TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, rm_lr=3e-3, ppo_iterations=20,
+                 rollout_batch_size=64, eval_samples=256, bon_pool=16)
+
+
+@pytest.fixture(scope="session")
+def rlhf_tiny_run(tmp_path_factory):
+    """One run of ppo_rlhf_toy.py at RLHF_TINY with --save-model, trained once for the session: test_rlhf.py's end
+    to end test reads it, and test_exercises.py's full RLHF grade (the same flags) is given its summary."""
+    import types
+
+    import ppo_rlhf_toy
+
+    args = ppo_rlhf_toy.Args(**RLHF_TINY, save_model=True)
+    workdir = tmp_path_factory.mktemp("rlhf_tiny")
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(workdir)
+        summary = ppo_rlhf_toy.train(args)
+    torch.set_num_threads(threads)  # train() sets its own
+    (run_dir,) = list((workdir / "runs").iterdir())
+    return types.SimpleNamespace(args=args, summary=summary, run_dir=run_dir)
+
+
 # Topic markers for grading subsets (`pytest -m gae tests`; the markers are registered in pytest.ini), assigned by
 # test file and name. Tests that need Procgen games, torchrun or a CUDA GPU are marked procgen / torchrun / cuda
 # instead and kept out of the topic subsets. Names are fnmatch patterns of the test's name without its parameters.

@@ -4,6 +4,7 @@ runs what is not blank, and its blanks fail their graders with the exercise's te
 included, passes for every exercise."""
 import ast
 import csv
+import dataclasses
 import json
 import linecache
 import os
@@ -694,9 +695,28 @@ def test_the_pytest_route_grades_only_what_a_script_holds_without_marker_warning
 
 
 # ---------------------------------------------------------------- the whole grade, training included
+def reuse_the_run_for_its_flags(monkeypatch, run):
+    """The scripts the grade loads train by returning `run`'s summary when asked for its flags (other flags train),
+    so that a run another test reads is trained once."""
+    load_script = grade.load_script
+
+    def load_and_reuse(path):
+        module = load_script(path)
+        train = module.train
+
+        def train_or_reuse(args):
+            asked = dict(dataclasses.asdict(args), save_model=run.args.save_model)  # saving changes no number
+            return run.summary if asked == dataclasses.asdict(run.args) else train(args)
+        module.train = train_or_reuse
+        return module
+    monkeypatch.setattr(grade, "load_script", load_and_reuse)
+
+
 @pytest.mark.exercise_training
 @pytest.mark.parametrize("exercise", ["ppg_aux", "rlhf"])  # PPG trains with the student's phase; RLHF reads its own
-def test_full_grade_with_training_passes_and_prints_the_curve(exercise):
+def test_full_grade_with_training_passes_and_prints_the_curve(exercise, request, monkeypatch):
+    if exercise == "rlhf":  # the grade's flags are test_rlhf.py's end-to-end run's: that run, trained once
+        reuse_the_run_for_its_flags(monkeypatch, request.getfixturevalue("rlhf_tiny_run"))
     lines = []
     start = time.time()
     passed = grade.grade(exercise, out=lines.append)

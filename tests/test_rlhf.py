@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT
+from conftest import RLHF_TINY, ROOT
 
 import ppo_rlhf_toy as M  # the repo root is on sys.path (conftest.py)
 
@@ -692,8 +692,6 @@ def test_a_checkpoint_written_before_weights_only_loading_still_loads(in_tmp):
 
 
 # ---------------------------------------------------------------- end to end
-TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, rm_lr=3e-3, ppo_iterations=20,
-            rollout_batch_size=64, eval_samples=256, bon_pool=16)
 MICRO = dict(corpus_size=300, sft_steps=10, num_pairs=100, rm_epochs=1, ppo_iterations=3, rollout_batch_size=16,
              num_minibatches=2, eval_samples=32, bon_pool=4)
 
@@ -702,19 +700,18 @@ def read_records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_end_to_end_small(in_tmp):
-    tmp_path = in_tmp
-    summary = M.train(M.Args(**TINY, save_model=True))
+def test_end_to_end_small(rlhf_tiny_run, in_tmp):
+    """The session's run at RLHF_TINY (conftest.py), then its stages re-run from its checkpoints."""
+    summary, run_dir = rlhf_tiny_run.summary, rlhf_tiny_run.run_dir
     rm_info = summary["rm"]
     print(json.dumps(rm_info), summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
     assert rm_info["rm/heldout_acc"] > 0.6 and rm_info["rm/heldout_acc_gold"] > 0.65
     sft = summary["sft"]
     ppo = summary["ppo"]["0.05"]
     assert ppo["gold/score"] > sft["gold/score"] + 0.5 and ppo["proxy/score"] > sft["proxy/score"] + 0.5
-    (run_dir,) = list((tmp_path / "runs").iterdir())
     records = read_records(run_dir)
     ppo_records = [record for record in records if record["stage"] == "ppo"]
-    assert len(ppo_records) == TINY["ppo_iterations"]
+    assert len(ppo_records) == RLHF_TINY["ppo_iterations"]
     for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
                 "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
                 "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var",
@@ -726,21 +723,21 @@ def test_end_to_end_small(in_tmp):
     assert [record["epoch"] for record in epochs] == [1, 2, 3]  # the held-out loss after every epoch
     assert epochs[-1]["rm/heldout_loss"] < epochs[0]["rm/heldout_loss"]
     pairs_with_eos = rm_info["rm/train_pairs"] + rm_info["rm/heldout_pairs"] + rm_info["rm/dropped_pairs"]
-    assert pairs_with_eos <= TINY["num_pairs"] and rm_info["rm/heldout_pairs"] == int(0.1 * pairs_with_eos)
+    assert pairs_with_eos <= RLHF_TINY["num_pairs"] and rm_info["rm/heldout_pairs"] == int(0.1 * pairs_with_eos)
     assert rm_info["rm/dropped_pairs"] > 0  # split by sentence
     files = sorted(name for name in os.listdir(run_dir) if not name.startswith("events.out.tfevents"))
     assert files == ["metrics.jsonl", "ppo_policy.pt", "rm.pt", "sft.pt"]  # no .tmp left behind
     # stages re-run separately: load both checkpoints, run PPO only
     sft_path = str(run_dir / "sft.pt")
     rm_path = str(run_dir / "rm.pt")
-    again = M.train(M.Args(**{**TINY, "ppo_iterations": 2}, load_sft=sft_path, load_rm=rm_path))
+    again = M.train(M.Args(**{**RLHF_TINY, "ppo_iterations": 2}, load_sft=sft_path, load_rm=rm_path))
     assert again["rm"] == rm_info
     assert again["sft"]["gold/grammar_rate"] > 0.9  # the loaded SFT policy is the trained one, not a fresh model
     # same model, new samples
     assert again["sft"]["gold/score"] == pytest.approx(summary["sft"]["gold/score"], abs=0.35)
     # --load-sft alone, with architecture flags that differ from the checkpoint's and a shorter response length:
     # the RM is built from the loaded SFT model's own config, so this trains an RM instead of failing
-    quick = dict(TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
+    quick = dict(RLHF_TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
     third = M.train(M.Args(**quick, d_model=32, n_layers=1, n_heads=2, max_response_len=10, load_sft=sft_path))
     assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm"]["rm/train_pairs"] > 100
 
