@@ -83,8 +83,9 @@ class Args:
     """IMPALA-CNN channels, one conv sequence per entry"""
     hidden_size: int = 256
     """width of the dense layer after the convolutions"""
-    init: Literal["default", "normed"] = "default"
-    """weight init: PyTorch default + orthogonal heads (CleanRL PPO) or the PPG code's per-unit normed init"""
+    init: Literal["default", "normed", "glorot"] = "default"
+    """weight init: PyTorch default + orthogonal heads (CleanRL PPO), the PPG code's per-unit normed init, or
+    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads; issue 27)"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""
@@ -191,14 +192,22 @@ def normed_(layer, scale):
     return layer
 
 
+def init_layer(layer, init, normed_scale):
+    """A trunk layer's --init: PyTorch's default (CleanRL's), the PPG code's normed, or glorot:
+    TensorFlow's default in baselines' IMPALA-CNN (train-procgen's PPO), zero biases."""
+    if init == "normed":
+        normed_(layer, normed_scale)
+    elif init == "glorot":
+        nn.init.xavier_uniform_(layer.weight)
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
 class ResidualBlock(nn.Module):
     def __init__(self, channels, init, scale):
         super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        if init == "normed":
-            normed_(self.conv0, scale)
-            normed_(self.conv1, scale)
+        self.conv0 = init_layer(nn.Conv2d(channels, channels, 3, padding=1), init, scale)
+        self.conv1 = init_layer(nn.Conv2d(channels, channels, 3, padding=1), init, scale)
 
     def forward(self, x):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
@@ -217,16 +226,12 @@ class ImpalaCNN(nn.Module):
         in_channels = 3
         size = 64
         for out_channels in channels:
-            conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-            if init == "normed":
-                normed_(conv, 1.0)
+            conv = init_layer(nn.Conv2d(in_channels, out_channels, 3, padding=1), init, 1.0)
             layers += [conv, nn.MaxPool2d(3, stride=2, padding=1), ResidualBlock(out_channels, init, residual_scale),
                        ResidualBlock(out_channels, init, residual_scale)]
             in_channels = out_channels
             size = (size + 1) // 2
-        dense = nn.Linear(in_channels * size * size, hidden_size)
-        if init == "normed":
-            normed_(dense, 1.4)
+        dense = init_layer(nn.Linear(in_channels * size * size, hidden_size), init, 1.4)
         self.net = nn.Sequential(*layers, nn.Flatten(), nn.ReLU(), dense, nn.ReLU())
 
     def forward(self, obs):

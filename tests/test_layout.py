@@ -17,9 +17,11 @@ SCRIPTS = ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py"]
 # users see (resume, atomic saves with the full-disk line, signals, torchrun, TensorBoard/wandb, evaluation, video),
 # and PPG's train needs ~16 lines PPO's has not (B, the second optimizer, the phase trigger). The ceilings below are
 # the measured sizes of that honest code, so that nothing grows back unseen; lowering them is open work (issue 24).
-WHOLE_LINES = {"ppo_procgen.py": 1208, "ppg_procgen.py": 1383, "vtrace.py": 1485, "ppo_rlhf_toy.py": 1186}
-APPENDIX_LINES = {"ppo_procgen.py": 686, "ppg_procgen.py": 766, "vtrace.py": 816, "ppo_rlhf_toy.py": 403}
-STORY_LINES = {"ppo_procgen.py": 520, "ppg_procgen.py": 620, "vtrace.py": 680, "ppo_rlhf_toy.py": 800}
+# PPO's story is 4 lines over issue 24's 520 since issue 27 added `--init glorot` (baselines' TensorFlow init, one
+# of the cause study's candidates): `init_layer`, shared by the three scripts.
+WHOLE_LINES = {"ppo_procgen.py": 1211, "ppg_procgen.py": 1386, "vtrace.py": 1488, "ppo_rlhf_toy.py": 1186}
+APPENDIX_LINES = {"ppo_procgen.py": 684, "ppg_procgen.py": 764, "vtrace.py": 814, "ppo_rlhf_toy.py": 403}
+STORY_LINES = {"ppo_procgen.py": 524, "ppg_procgen.py": 620, "vtrace.py": 680, "ppo_rlhf_toy.py": 800}
 TRAIN_LINES = {"ppo_procgen.py": 100, "ppg_procgen.py": 115, "vtrace.py": 110, "ppo_rlhf_toy.py": 80}
 APPENDIX_BLOCK_LINES = 60  # no function or class in an appendix is longer
 # Top-level names that are plumbing wherever they appear: none of them may be defined before `train`.

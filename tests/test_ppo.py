@@ -136,6 +136,29 @@ def tiny_agent(init="default"):
     return args, ppo.Agent(args, num_actions=15)
 
 
+def test_glorot_init_is_baselines_tensorflow_default():
+    """--init glorot: every trunk conv and the dense layer drawn from U(+-sqrt(6 / (fan_in + fan_out))) (TF's
+    glorot_uniform, the fans counting the 3x3 kernel), biases 0; the heads orthogonal with std 0.01 / 1 as in
+    baselines. PyTorch's default (U(+-1/sqrt(fan_in)), non-zero biases) fails every check on the large layers."""
+    args = ppo.Args(init="glorot")  # the default network: 16, 32, 32 channels, 256 units
+    torch.manual_seed(0)
+    agent = ppo.Agent(args, num_actions=15)
+    layers = [m for m in agent.trunk.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert len(layers) == 3 * 5 + 1
+    for layer in layers:
+        receptive = layer.weight[0, 0].numel()
+        fan_in, fan_out = layer.weight.shape[1] * receptive, layer.weight.shape[0] * receptive
+        limit = (6 / (fan_in + fan_out)) ** 0.5
+        assert layer.weight.abs().max() <= limit and layer.weight.abs().max() > 0.95 * limit
+        if layer.weight.numel() > 5000:  # the sample std of U(+-limit) is limit / sqrt(3)
+            assert abs(layer.weight.std().item() / (limit / 3**0.5) - 1) < 0.05
+        assert layer.bias.abs().max() == 0
+    for head, std in ((agent.actor, 0.01), (agent.critic, 1.0)):
+        weight = head.weight.double()
+        torch.testing.assert_close(weight @ weight.T, std**2 * torch.eye(len(weight), dtype=torch.float64))
+        assert head.bias.abs().max() == 0
+
+
 def test_first_minibatch_has_ratio_one_and_no_clipping():
     """With the rollout's own network the first minibatch's ratio is exactly 1: no KL, nothing clipped."""
     args, agent = tiny_agent()
