@@ -13,21 +13,22 @@ the seed and the flags that change only how a run is run, `RUNTIME_FLAGS`, are i
 Ours: the mean return of the last 100 training episodes (`charts/episodic_return_last100`) at a
 step, mean +- std over a group's seeds. The anchor: train-procgen's baselines PPO, easy mode, all
 levels (its `eprewmean`, the same quantity), its three seeds' mean [min, max] at the same step, from
-every logged row to 1M steps (benchmarks/reference/train_procgen_first_1M.json.gz). About 160
-episodes end in each 16,384-step iteration, so either value is one iteration's statistic and moves
-by about 0.4 between iterations; the "last 8 iterations" columns average each run over the 8 logged
-iterations that end at the step (both sides). A run that has not reached a step shows "-" there.
+its every logged row (benchmarks/reference/train_procgen.json.gz). About 160 episodes end in each
+16,384-step iteration, so either value is one iteration's statistic and moves by about 0.4 between
+iterations; the "last 8 iterations" columns are the on-track rule's windows (benchmarks/reference/
+on_track.py, the rule of `results.py --on-track` and the scripts' in-run line): each run's and each
+anchor seed's mean over its rows in the anchor's last 8 logged iterations before the step,
+(step - 131,072, step]. A run that has not reached a step shows "-" there.
 
 IMPALA logs every 16,000 steps (32 games x 20 steps x 25 updates): its value at a mark is its row
-at or nearest below the mark (128,000 for 131,072), its window the 8 rows that end there. No IMPALA
-run on Procgen was published, so it has no anchor.
+at or nearest below the mark (128,000 for 131,072), its window its rows in the same 131,072 steps
+(8 rows, the last at that row). No IMPALA run on Procgen was published, so it has no anchor.
 
 Wall time is the sum of each process's training time: metrics.jsonl's `time` restarts at 0 when a
 run is resumed (start-up, and the iterations after its last checkpoint that a crash lost, are not
 counted).
 """
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -40,16 +41,18 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "reference"))
+import on_track  # noqa: E402  (the anchor's curves, its points and the on-track rule's windows)
 import results  # noqa: E402  (find_runs, read_run, last100_curve: the figures' reading of a run)
 
 RUNS = os.path.join(HERE, "results", "procgen_cpu")
 FIGURE = os.path.join(os.path.dirname(HERE), "docs", "procgen_cpu", "starpilot_ppo_vs_impala.png")
-ANCHOR_FILE = os.path.join(HERE, "reference", "train_procgen_first_1M.json.gz")
+ANCHOR = "train_procgen/easy-all"
 ANCHOR_LABEL = "baselines PPO easy-all"
 GAME = "starpilot"
 STEPS = (131_072, 262_144, 524_288)
 CAUSE_STUDY_STEP = 262_144
-WINDOW = 8  # iterations averaged in the windowed columns
+WINDOW = on_track.WINDOW_ROWS  # the anchor's iterations averaged in the windowed columns
 LABELS = {"ppo_procgen.py": "PPO", "vtrace.py": "IMPALA"}  # also the tables' order
 COLORS = {"ppo_procgen.py": "tab:blue", "vtrace.py": "tab:orange"}
 ANCHORED = ("ppo_procgen.py",)  # the scripts that baselines PPO is the anchor of
@@ -168,17 +171,14 @@ def return_at(run, step):
     return float(returns[np.flatnonzero(steps == logged)[0]])
 
 
-def window_mean(run, step, window=WINDOW):
-    """The run's mean of `charts/episodic_return_last100` over the `window` iterations that end at
-    its row at or nearest below `step`, or None if it has not logged them all."""
-    logged = row_step(run, step)
-    if logged is None:
+def window_mean(run, step):
+    """The run's mean of `charts/episodic_return_last100` over its rows in the on-track rule's
+    window at `step` (the anchor's, `anchor_window`), or None if it has not logged its row at or
+    nearest below `step`."""
+    if row_step(run, step) is None:
         return None
-    steps, returns = results.last100_curve(run)
-    wanted = [logged - k * steps_per_iteration(run) for k in range(window)]
-    if not all(np.any(steps == wanted_step) for wanted_step in wanted):
-        return None
-    return float(np.mean([returns[np.flatnonzero(steps == each)[0]] for each in wanted]))
+    width, _ = anchor_window(step)
+    return on_track.window_mean(*results.last100_curve(run), step, width)
 
 
 def process_start(row):
@@ -211,27 +211,28 @@ def processes(run):
 # -------------------------------------------------------------------------------------------------
 # The anchor
 
+def anchor_reference():
+    """Baselines PPO easy-all as on_track.load_references reads it: each seed's every logged row."""
+    return on_track.load_references()[ANCHOR]
+
+
 def anchor_curves(game=GAME):
-    """(steps, returns: seeds x steps) of baselines PPO easy-all, every logged row to 1M steps."""
-    with gzip.open(ANCHOR_FILE, "rt") as f:
-        data = json.load(f)
-    curves = [data["curves"][seed][game] for seed in data["experiments"]["easy-all"]["seeds"]]
-    assert all(curve["steps"] == curves[0]["steps"] for curve in curves)
-    return (np.array(curves[0]["steps"], dtype=float),
-            np.array([curve["returns"] for curve in curves], dtype=float))
+    """(steps, returns: seeds x steps) of the anchor's seeds, which logged the same steps."""
+    curves = anchor_reference().curves[game]
+    assert all(np.array_equal(steps, curves[0][0]) for steps, _ in curves)
+    return curves[0][0], np.stack([returns for _, returns in curves])
 
 
 def anchor_at(step, game=GAME):
-    """Each anchor seed's last-100 mean at `step`."""
-    steps, returns = anchor_curves(game)
-    return returns[:, np.flatnonzero(steps == step)[0]]
+    """Each anchor seed's last-100 mean at `step` (on_track.reference_at: its row there, where it
+    logged one)."""
+    return on_track.reference_at(anchor_reference(), game, step)
 
 
-def anchor_window_means(game, step, window=WINDOW):
-    """Each anchor seed's mean over its `window` logged rows that end at `step`."""
-    steps, returns = anchor_curves(game)
-    end = np.flatnonzero(steps == step)[0]
-    return returns[:, end - window + 1 : end + 1].mean(axis=1)
+def anchor_window(step, game=GAME):
+    """(W, each anchor seed's mean over its rows in (step - W, step]): on_track.reference_window,
+    W = 8 x 16,384 steps."""
+    return on_track.reference_window(anchor_reference(), game, step)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def anchor_cells(script, step):
     anchor."""
     if script not in ANCHORED:
         return ["no anchor", "no anchor"]
-    return [band(anchor_at(step)), band(anchor_window_means(GAME, step))]
+    return [band(anchor_at(step)), band(anchor_window(step)[1])]
 
 
 def step_cell(runs, step):

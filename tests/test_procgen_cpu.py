@@ -1,10 +1,9 @@
 """Issue 27: docs/results.md's StarPilot-on-a-CPU tables are the committed runs' numbers
 (benchmarks/procgen_cpu.py over benchmarks/results/procgen_cpu/); runs are grouped by the flags that
 differ from their script's defaults; IMPALA is read at its own iteration size and has no anchor; a
-resumed run's wall time is summed over its processes; the anchor's every-row file agrees with the
-downsampled reference it extends."""
+resumed run's wall time is summed over its processes; the points and windows are the on-track rule's
+(benchmarks/reference/on_track.py) over the anchor's every logged row."""
 import dataclasses
-import gzip
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import procgen_cpu  # noqa: E402
+import on_track  # noqa: E402  (benchmarks/reference/, on the path procgen_cpu set)
 import ppo_procgen  # noqa: E402
 import vtrace  # noqa: E402
 
@@ -31,36 +31,37 @@ def test_the_docs_tables_are_the_committed_runs(capsys):
                          + "\n".join(missing))
 
 
-def test_the_early_anchor_file_agrees_with_the_downsampled_one():
-    """train_procgen_first_1M.json.gz keeps every row to 1,048,576 steps; at the rows both keep,
-    they are equal."""
-    with gzip.open(os.path.join(REFERENCE, "train_procgen_first_1M.json.gz"), "rt") as f:
-        early = json.load(f)
-    with gzip.open(os.path.join(REFERENCE, "train_procgen.json.gz"), "rt") as f:
-        sparse = json.load(f)
+def test_points_and_windows_are_the_on_track_rules():
+    """At 131k, 262k and 524k, by loops over the stored rows here: the anchor's point is its row at
+    the step, and each window (the anchor seeds' and each committed PPO run's) is the plain mean of
+    the 8 logged iterations that end at the step; the on-track line of these runs
+    (on_track.windowed_line, as results.py --on-track prints it) is made of the same numbers."""
+    data = on_track.read_reference_file(os.path.join(REFERENCE, "train_procgen.json.gz"))
+    anchor = [dict(zip(data["curves"][seed]["starpilot"]["steps"],
+                       data["curves"][seed]["starpilot"]["returns"]))
+              for seed in data["experiments"]["easy-all"]["seeds"]]
+    runs = procgen_cpu.read_groups(procgen_cpu.RUNS)[("ppo_procgen.py", ())]
     checked = 0
-    for seed in early["experiments"]["easy-all"]["seeds"]:
-        for game, curve in early["curves"][seed].items():
-            by_step = dict(zip(curve["steps"], curve["returns"]))
-            # every iteration of 64 x 256 steps
-            assert curve["steps"] == [16_384 * (row + 1) for row in range(64)]
-            other = sparse["curves"][seed][game]
-            for step, value in zip(other["steps"], other["returns"]):
-                if step <= early["until"]:
-                    assert by_step[step] == value
-                    checked += 1
-    assert checked >= 3 * 16 * 8  # 3 seeds x 16 games x at least the 8 rows to 1M of the sparse file
-
-
-def test_windows_are_means_of_logged_iterations():
-    """The windowed column is the plain mean of the 8 logged rows that end at the step."""
-    with gzip.open(os.path.join(REFERENCE, "train_procgen_first_1M.json.gz"), "rt") as f:
-        early = json.load(f)
-    seeds = early["experiments"]["easy-all"]["seeds"]
-    curve = early["curves"][seeds[0]]["starpilot"]
-    expected = sum(curve["returns"][24:32]) / 8  # rows 25..32: 409,600 .. 524,288 steps
-    assert abs(procgen_cpu.anchor_window_means("starpilot", 524_288)[0] - expected) < 1e-12
-    assert procgen_cpu.anchor_at(524_288)[0] == curve["returns"][31]
+    for step in procgen_cpu.STEPS:
+        theirs = [sum(rows[step - k * 16_384] for k in range(8)) / 8 for rows in anchor]
+        width, means = procgen_cpu.anchor_window(step)
+        assert width == 8 * 16_384 and means.tolist() == pytest.approx(theirs, abs=1e-12)
+        assert procgen_cpu.anchor_at(step).tolist() == [rows[step] for rows in anchor]
+        reached = [run for run in runs if procgen_cpu.row_step(run, step) is not None]
+        ours = []
+        for run in reached:
+            rows = {row["global_step"]: row["charts/episodic_return_last100"]
+                    for row in procgen_cpu.training_rows(run)}
+            ours.append(sum(rows[step - k * 16_384] for k in range(8)) / 8)
+            assert procgen_cpu.window_mean(run, step) == pytest.approx(ours[-1], abs=1e-12)
+            checked += 1
+        line = on_track.windowed_line("starpilot", step,
+                                      [procgen_cpu.results.last100_curve(run) for run in reached],
+                                      procgen_cpu.anchor_reference())
+        heading = f"starpilot @ {on_track.format_step(step)} (mean of the last 131k steps)"
+        assert line == on_track.on_track_line(heading, ours, "official baselines PPO (easy-all)",
+                                              np.array(theirs))
+    assert checked >= 3
 
 
 # ---- Synthetic runs: args.json from the scripts' own Args, rows as log_iteration writes them ----

@@ -12,9 +12,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reference"))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reference"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import build_reference  # noqa: E402
+import on_track  # noqa: E402
 import results  # noqa: E402
 from test_results import write_run  # noqa: E402
 
@@ -27,8 +27,8 @@ HARD = {"coinrun": (5, 10), "starpilot": (1.5, 35), "caveflyer": (2, 13.4), "dod
 
 
 def load(name):
-    with gzip.open(os.path.join(REFERENCE, name), "rt") as f:
-        return json.load(f)
+    """The file's JSON with every curve's steps filled in (the file writes an experiment's steps once)."""
+    return on_track.read_reference_file(os.path.join(REFERENCE, name))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,8 @@ def test_reference_data_keeps_the_raw_csv_values_at_their_exact_steps(ppg, train
 
 
 def test_build_script_on_a_tiny_results_tree(tmp_path):
-    """build_reference.py on fake CSVs in the repos' layouts: every row, steps, empty cells, the early file."""
+    """build_reference.py on fake CSVs in the repos' layouts: every row, steps (once per experiment, a curve's own
+    where they differ), empty cells, the same bytes on a rebuild."""
     ppg_results = tmp_path / "ppg" / "phasic_policy_gradient" / "results"
     for run in ("ppo-run0", "ppg-run0", "e-pi-2"):
         os.makedirs(ppg_results / run)
@@ -107,28 +108,38 @@ def test_build_script_on_a_tiny_results_tree(tmp_path):
             (ppg_results / run / f"progress-{game}.csv").write_text("\n".join(rows) + "\n")
     tp_results = tmp_path / "tp" / "train_procgen" / "results"
     for stem in ("easy-all", "easy-200", "hard-all", "hard-500"):
-        os.makedirs(tp_results / f"{stem}-run0")
-        for game in build_reference.GAMES:
-            for suffix in (("-train", "-test") if "all" not in stem else ("",)):
-                rows = ["eplenmean,eprewmean,misc/total_timesteps"] + [f"1,{i}.25,{i * 16384}.0" for i in range(1, 20)]
-                (tp_results / f"{stem}-run0" / f"progress-{game}{suffix}.csv").write_text("\n".join(rows) + "\n")
+        for run in (f"{stem}-run0", f"{stem}-run1"):
+            os.makedirs(tp_results / run)
+            for game in build_reference.GAMES:
+                for suffix in (("-train", "-test") if "all" not in stem else ("",)):
+                    last = 12 if (run, game) == ("easy-all-run1", "maze") else 19  # one curve stopped early
+                    rows = ["eplenmean,eprewmean,misc/total_timesteps"] + [f"1,{i}.25,{i * 16384}.0"
+                                                                           for i in range(1, last + 1)]
+                    (tp_results / run / f"progress-{game}{suffix}.csv").write_text("\n".join(rows) + "\n")
     build_reference.main(["--ppg", str(tmp_path / "ppg"), "--train-procgen", str(tp_results), "--out",
                           str(tmp_path / "out")])
-    ppg = json.load(gzip.open(tmp_path / "out" / "phasic_policy_gradient.json.gz", "rt"))
-    curve = ppg["curves"]["ppg-run0"]["maze"]
-    assert curve == {"steps": [row * 65536 for row in range(1, 11)],
-                     "returns": [1.5, 2.5, 3.5, None, 5.5, 6.5, 7.5, 8.5, 9.5, 10.5]}
+    assert sorted(os.listdir(tmp_path / "out")) == ["phasic_policy_gradient.json.gz", "train_procgen.json.gz"]
+    raw = json.load(gzip.open(tmp_path / "out" / "phasic_policy_gradient.json.gz", "rt"))  # the layout as written
+    assert raw["experiments"]["ppg"]["steps"] == [row * 65536 for row in range(1, 11)]
+    assert raw["curves"]["ppg-run0"]["maze"] == {"returns": [1.5, 2.5, 3.5, None, 5.5, 6.5, 7.5, 8.5, 9.5, 10.5]}
+    ppg = on_track.read_reference_file(tmp_path / "out" / "phasic_policy_gradient.json.gz")
+    assert ppg["curves"]["ppg-run0"]["maze"] == {"steps": [row * 65536 for row in range(1, 11)],
+                                                 "returns": [1.5, 2.5, 3.5, None, 5.5, 6.5, 7.5, 8.5, 9.5, 10.5]}
     assert ppg["experiments"]["e-pi-2"]["seeds"] == ["e-pi-2"] and ppg["experiments"]["ppgkl"]["seeds"] == []
-    tp = json.load(gzip.open(tmp_path / "out" / "train_procgen.json.gz", "rt"))
+    raw = json.load(gzip.open(tmp_path / "out" / "train_procgen.json.gz", "rt"))
+    assert raw["experiments"]["easy-all"]["steps"] == [i * 16384 for i in range(1, 20)]
+    assert raw["curves"]["easy-all-run1:train"]["maze"]["steps"] == [i * 16384 for i in range(1, 13)]  # its own
+    assert sum("steps" in curve for games in raw["curves"].values() for curve in games.values()) == 1
+    tp = on_track.read_reference_file(tmp_path / "out" / "train_procgen.json.gz")
     assert tp["curves"]["hard-500-run0:test"]["coinrun"] == {"steps": [i * 16384 * 4 for i in range(1, 20)],
                                                              "returns": [i + 0.25 for i in range(1, 20)]}
-    assert tp["experiments"]["easy-200-test"]["seeds"] == ["easy-200-run0:test"]
-    early = json.load(gzip.open(tmp_path / "out" / "train_procgen_first_1M.json.gz", "rt"))  # rows to 1,048,576
-    assert early["curves"]["hard-500-run0:test"]["coinrun"]["steps"] == [i * 16384 * 4 for i in range(1, 17)]
-    assert early["curves"]["easy-all-run0:train"]["coinrun"] == tp["curves"]["easy-all-run0:train"]["coinrun"]
+    assert tp["curves"]["easy-all-run1:train"]["maze"] == {"steps": [i * 16384 for i in range(1, 13)],
+                                                           "returns": [i + 0.25 for i in range(1, 13)]}
+    assert tp["curves"]["easy-all-run1:train"]["coinrun"]["steps"] == [i * 16384 for i in range(1, 20)]
+    assert tp["experiments"]["easy-200-test"]["seeds"] == ["easy-200-run0:test", "easy-200-run1:test"]
     again = tmp_path / "again"
     build_reference.main(["--ppg", str(tmp_path / "ppg"), "--train-procgen", str(tp_results), "--out", str(again)])
-    assert len(os.listdir(again)) == 3
+    assert len(os.listdir(again)) == 2
     for name in os.listdir(again):  # the same bytes every time
         assert (again / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
 

@@ -4,8 +4,8 @@ own runs (the numbers and figures of docs/results.md).
   python benchmarks/reference/anchors.py --out docs/anchors      # anchors.md and three PNGs
 
 Per game: the mean +- std over seeds of the return (the last-100-episode mean the anchors log) at a step, linearly
-interpolated between the stored rows (benchmarks/reference/ keeps every 4th logged row of the official PPG runs and
-every 8th of train-procgen's, and the final row); "final" is the final logged row. Aggregates: per game the mean over
+interpolated between the stored rows (benchmarks/reference/ keeps every logged row of both anchors); "final" is the
+final logged row. Aggregates: per game the mean over
 seeds, normalized with Procgen's published ranges of the mode, then the mean over games (the PPG paper's headline),
 and the IQM with a 95% stratified-bootstrap interval (benchmarks/results.py's estimators).
 """

@@ -6,15 +6,17 @@ LICENSE-* files here):
   python benchmarks/reference/build_reference.py --ppg /tmp/phasic-policy-gradient --train-procgen /tmp/train-procgen
 
 Either path may be the checkout or its results folder (`phasic_policy_gradient/results`, `train_procgen/results`).
-Writes `phasic_policy_gradient.json.gz`, `train_procgen.json.gz` and `train_procgen_first_1M.json.gz` (the rows up to
-1,048,576 steps alone, read by benchmarks/procgen_cpu.py) next to this script (or to --out); the bytes do not
+Writes `phasic_policy_gradient.json.gz` and `train_procgen.json.gz` next to this script (or to --out); the bytes do not
 depend on the time of the build, so `git diff` shows whether a rebuild changed anything.
 
 What is kept: every run folder (every seed, every ablation) and every game; the return column (`EpRewMean` in the
 official PPG CSVs, `eprewmean` in train-procgen's: both the mean return of the last 100 episodes); every logged row
 (the on-track rule in on_track.py averages the anchor's last 8 rows before a step: a window needs all of them; the
 files record this as "stride": 1); returns rounded to 5 decimals. Steps are exact, as the repos' own graph.py counts
-them:
+them, and written once per experiment (`experiments[name]["steps"]`, the steps of its first seed's first game); a
+curve keeps its own "steps" only where they differ from those (in the committed CSVs none does: every game of every
+seed of an experiment logged the same steps). Written out per curve, train-procgen's 288 step lists of ~30 KB each
+fall outside gzip's 32 KB window and made a 5 MB file. on_track.read_reference_file gives every curve its steps back:
 - official PPG: row i (1-based) is logged after i iterations of 4 workers x 64 envs x 256 steps = i x 65,536 steps
   (`ppo.learn`: ic_per_step = venv.num * comm.size * nstep); 1,526 rows, the last at 100,007,936 steps;
 - train-procgen: `misc/total_timesteps` (per worker) x the number of workers graph.py assumes (1 in easy mode, 4 in
@@ -33,7 +35,6 @@ import subprocess
 GAMES = ["bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot", "heist",
          "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot"]
 HERE = os.path.dirname(os.path.abspath(__file__))
-EARLY_STEPS = 1_048_576  # train_procgen_first_1M.json.gz: every logged row up to here (64 iterations in easy mode)
 
 # Official PPG experiments: name -> (what it is, run folders). Hard mode, full distribution, 100M steps.
 PPG_EXPERIMENTS = {
@@ -102,8 +103,8 @@ def build_ppg(path, commit=None):
             "curves": curves}
 
 
-def build_train_procgen(path, commit=None, until=None):
-    """train-procgen's curves, every row; with `until`, only the rows up to that step (the early file)."""
+def build_train_procgen(path, commit=None):
+    """train-procgen's curves, every row."""
     folder = results_folder(path, os.path.join("train_procgen", "results"))
     experiments = {}
     curves = {}
@@ -127,18 +128,28 @@ def build_train_procgen(path, commit=None, until=None):
                                                         "eprewmean")
                     column = header.index("misc/total_timesteps")
                     steps = [int(float(row[column])) * workers for row in rows]
-                    kept = len(steps) if until is None else sum(step <= until for step in steps)
-                    curves[f"{run}:{split}"][game] = curve(steps[:kept], returns[:kept])
-    data = {"source": "openai/train-procgen", "path": "train_procgen/results", "commit": commit or git_commit(path),
+                    curves[f"{run}:{split}"][game] = curve(steps, returns)
+    return {"source": "openai/train-procgen", "path": "train_procgen/results", "commit": commit or git_commit(path),
             "license": "LICENSE-train-procgen", "column": "eprewmean", "stride": 1,
             "steps": "misc/total_timesteps x workers (1 in easy mode, 4 in hard mode, as in train_procgen/graph.py)",
             "experiments": experiments, "curves": curves}
-    if until is not None:
-        data["until"] = until
+
+
+def steps_once(data):
+    """The file's layout: each experiment's steps once (those of its first seed's first game), a curve's own steps only
+    where they differ; an experiment without seeds has no steps."""
+    for experiment in data["experiments"].values():
+        seeds = experiment["seeds"]
+        experiment["steps"] = data["curves"][seeds[0]][GAMES[0]]["steps"] if seeds else []
+        for seed in seeds:
+            for game_curve in data["curves"][seed].values():
+                if game_curve["steps"] == experiment["steps"]:
+                    del game_curve["steps"]
     return data
 
 
 def write(data, path):
+    data = steps_once(data)
     text = json.dumps(data, separators=(",", ":"), sort_keys=True)
     buffer = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as f:  # mtime 0: reproducible bytes
@@ -160,8 +171,6 @@ def main(argv=None):
     write(build_ppg(args.ppg, commit=args.ppg_commit), os.path.join(args.out, "phasic_policy_gradient.json.gz"))
     write(build_train_procgen(args.train_procgen, commit=args.train_procgen_commit),
           os.path.join(args.out, "train_procgen.json.gz"))
-    write(build_train_procgen(args.train_procgen, commit=args.train_procgen_commit, until=EARLY_STEPS),
-          os.path.join(args.out, "train_procgen_first_1M.json.gz"))
 
 
 if __name__ == "__main__":

@@ -45,8 +45,7 @@ def load_references(folder=REFERENCE_DIR):
         path = os.path.join(folder, name)
         if not os.path.exists(path):
             continue
-        with gzip.open(path, "rt") as f:
-            data = json.load(f)
+        data = read_reference_file(path)
         for experiment, meta in data["experiments"].items():
             if stem == "phasic_policy_gradient":
                 flag, value = experiment.rsplit("-", 1) if "-" in experiment else (experiment, "")
@@ -64,6 +63,18 @@ def load_references(folder=REFERENCE_DIR):
                                                            meta["mode"], meta["num_levels"], meta["split"], curves)
     _REFERENCES[folder] = references
     return references
+
+
+def read_reference_file(path):
+    """One .json.gz file of this folder as its JSON, each curve `curves[seed][game]` with its "steps" and "returns": the
+    file writes an experiment's steps once (`experiments[name]["steps"]`) and a curve's own only where they differ."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    for meta in data["experiments"].values():
+        for seed in meta["seeds"]:
+            for curve in data["curves"][seed].values():
+                curve.setdefault("steps", meta["steps"])
+    return data
 
 
 def match_references(args):
