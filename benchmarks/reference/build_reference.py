@@ -13,15 +13,17 @@ What is kept: every run folder (every seed, every ablation) and every game; the 
 official PPG CSVs, `eprewmean` in train-procgen's: both the mean return of the last 100 episodes); every logged row
 (the on-track rule in on_track.py averages the anchor's last 8 rows before a step: a window needs all of them; the
 files record this as "stride": 1); returns rounded to 5 decimals. Steps are exact, as the repos' own graph.py counts
-them, and written once per experiment (`experiments[name]["steps"]`, the steps of its first seed's first game); a
-curve keeps its own "steps" only where they differ from those (in the committed CSVs none does: every game of every
-seed of an experiment logged the same steps). Written out per curve, train-procgen's 288 step lists of ~30 KB each
-fall outside gzip's 32 KB window and made a 5 MB file. on_track.read_reference_file gives every curve its steps back:
+them:
 - official PPG: row i (1-based) is logged after i iterations of 4 workers x 64 envs x 256 steps = i x 65,536 steps
   (`ppo.learn`: ic_per_step = venv.num * comm.size * nstep); 1,526 rows, the last at 100,007,936 steps;
 - train-procgen: `misc/total_timesteps` (per worker) x the number of workers graph.py assumes (1 in easy mode, 4 in
   hard mode); 3,051 rows, the last at 49,987,584 (easy) or 199,950,336 (hard) steps. The `-test` CSVs of the
   restricted-level runs are the test worker's (full distribution, never trained on), logged at the same steps.
+
+The steps are written once per experiment (`experiments[name]["steps"]`, those of its first seed's first game); a
+curve keeps its own "steps" only where they differ (in the committed CSVs none does: every game of every seed of an
+experiment logged the same steps). Written out per curve, train-procgen's 288 step lists of ~30 KB each fell outside
+gzip's 32 KB window and made a 5 MB file (1.4 MB now). on_track.read_reference_file gives every curve its steps back.
 """
 import argparse
 import csv
@@ -137,7 +139,7 @@ def build_train_procgen(path, commit=None):
 
 def steps_once(data):
     """The file's layout: each experiment's steps once (those of its first seed's first game), a curve's own steps only
-    where they differ; an experiment without seeds has no steps."""
+    where they differ (an experiment without seeds: an empty list)."""
     for experiment in data["experiments"].values():
         seeds = experiment["seeds"]
         experiment["steps"] = data["curves"][seeds[0]][GAMES[0]]["steps"] if seeds else []
