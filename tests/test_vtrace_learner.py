@@ -455,7 +455,8 @@ def test_sigterm_stops_after_the_current_update_and_resume_finishes_the_run(cue_
         return vtrace_backward(*arguments)
 
     monkeypatch.setattr(vtrace, "vtrace_backward", signalled_learner)
-    args = cue_args(save_model=True, save_every=100)
+    iterations = 3  # of 10 updates x 16 games x 8 steps: the 7 updates left of iteration 2, then a whole iteration
+    args = cue_args(save_model=True, save_every=100, total_timesteps=iterations * 1280)
     with pytest.raises(SystemExit, match="143"):
         vtrace.train(args)
     assert len(calls) == 13 and not actor_threads()
@@ -466,16 +467,17 @@ def test_sigterm_stops_after_the_current_update_and_resume_finishes_the_run(cue_
     (unfinished,) = saved["unfinished"]  # one rank's record of iteration 2 so far
     assert len(unfinished["lags"]) == len(unfinished["stats"]) == 3 and len(unfinished["episode_returns"]) == 48
     run_dir = vtrace.train(vtrace.Args(resume=path))
-    assert len(calls) == 80 and not actor_threads()  # 67 updates more: none repeated, none skipped
-    iterations = [r for r in read_rows(run_dir) if "losses/policy_loss" in r]
-    assert [r["iteration"] for r in iterations] == list(range(1, 9))
-    assert [r["global_step"] for r in iterations] == [1280 * i for i in range(1, 9)]
+    assert len(calls) == 10 * iterations and not actor_threads()  # 17 updates more: none repeated, none skipped
+    rows = [r for r in read_rows(run_dir) if "losses/policy_loss" in r]
+    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
+    assert [r["global_step"] for r in rows] == [1280 * i for i in range(1, iterations + 1)]
     # The resumed iteration 2's row covers all its updates: the 3 before the stop (kept in the checkpoint) and 7 after.
-    assert [sum(r[f"policy_lag/count_{k}"] for k in range(2)) for r in iterations] == [10] * 8
-    assert [r["charts/episodes"] for r in iterations] == [160] * 8  # 16 games x 8-step episodes, one per update
+    assert [sum(r[f"policy_lag/count_{k}"] for k in range(2)) for r in rows] == [10] * iterations
+    assert [r["charts/episodes"] for r in rows] == [160] * iterations  # 16 games x 8-step episodes, one per update
     resumed = load_saved(path)
-    assert resumed["iteration"] == 8 and resumed["updates"] == 80 and resumed["global_step"] == 10240
-    assert resumed["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 10240, abs=1e-9)
+    assert resumed["iteration"] == iterations and resumed["updates"] == 10 * iterations
+    assert resumed["global_step"] == 1280 * iterations
+    assert resumed["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 1280 * iterations, abs=1e-9)
 
 
 def test_actor_stop_is_bounded_and_a_ctrl_c_during_it_does_not_escape(capsys):
