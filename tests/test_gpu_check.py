@@ -92,7 +92,8 @@ def test_bench_keeps_the_configurations_that_ran_and_records_a_failed_ones_error
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit, match="2 of 3 configurations failed: indivisible, unknown"):
         bench.main(["--script", "ppo_procgen.py", "--iterations", "1", "--warmup", "1", "--common",
-                    gpu_check.TINY_FLAGS["ppo_procgen.py"], "--config", "indivisible=--num-minibatches 3",
+                    gpu_check.TINY_FLAGS["ppo_procgen.py"] + " --torch-threads 1",  # as in test_speed.py
+                    "--config", "indivisible=--num-minibatches 3",
                     "--config", "plain=", "--config", "unknown=--no-such-flag", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [r["config"] for r in results] == ["indivisible", "plain", "unknown"]
