@@ -1,7 +1,9 @@
 """Shared test helpers: the scripts live at the repo root; CueEnv is a tiny pixel task that a few thousand
 steps of a working algorithm solve on a CPU, used by the learning tests of every Procgen script."""
+import copy
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -13,11 +15,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 from exercises.cue_env import CueEnv  # noqa: E402 (one copy: the graders' learning check uses it too)
 
 
+def cue_vec_env(num_envs, *args, **kwargs):
+    """CueEnv in place of a script's ProcgenVecEnv(num_envs, ...)."""
+    return CueEnv(num_envs)
+
+
 @pytest.fixture
 def cue_env(monkeypatch):
     """Replace a script's Procgen adapter by CueEnv, for training and evaluation alike."""
     def patch(module):
-        monkeypatch.setattr(module, "ProcgenVecEnv", lambda num_envs, *args, **kwargs: CueEnv(num_envs))
+        monkeypatch.setattr(module, "ProcgenVecEnv", cue_vec_env)
     return patch
 
 
@@ -26,6 +33,19 @@ def in_tmp(tmp_path, monkeypatch):
     """Run in a temporary directory, so runs/ lands there."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def train_in(workdir, module, args, cue_env=False):
+    """`module.train` on a copy of `args` (it may fill some in: env_threads) with runs/ in `workdir` (on CueEnv if
+    asked); torch's thread count restored afterwards (train() sets its own)."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        if cue_env:
+            patch.setattr(module, "ProcgenVecEnv", cue_vec_env)
+        patch.chdir(workdir)
+        returned = module.train(copy.copy(args))
+    torch.set_num_threads(threads)
+    return returned
 
 
 # ppo_rlhf_toy.py at tiny flags (about 30 s on the 2-core CPU): the RM beats chance and PPO raises the gold score.
@@ -37,19 +57,31 @@ RLHF_TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, r
 def rlhf_tiny_run(tmp_path_factory):
     """One run of ppo_rlhf_toy.py at RLHF_TINY with --save-model, trained once for the session: test_rlhf.py's end
     to end test reads it, and test_exercises.py's full RLHF grade (the same flags) is given its summary."""
-    import types
-
     import ppo_rlhf_toy
 
     args = ppo_rlhf_toy.Args(**RLHF_TINY, save_model=True)
     workdir = tmp_path_factory.mktemp("rlhf_tiny")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(workdir)
-        summary = ppo_rlhf_toy.train(args)
-    torch.set_num_threads(threads)  # train() sets its own
+    summary = train_in(workdir, ppo_rlhf_toy, args)
     (run_dir,) = list((workdir / "runs").iterdir())
     return types.SimpleNamespace(args=args, summary=summary, run_dir=run_dir)
+
+
+# ppg_procgen.py on CueEnv at the flags of test_ppg.py's learning test, which the PPG grader's learning curve uses too
+PPG_CUE = dict(env_id="coinrun", total_timesteps=6144, num_envs=16, num_steps=32, num_minibatches=4, channels=(8,),
+               hidden_size=32, learning_rate=2e-3, eval_every=0, eval_episodes=16, torch_threads=1, n_pi=4, e_aux=2,
+               save_every=4, arch="detach")
+
+
+@pytest.fixture(scope="session")
+def ppg_cue_run(tmp_path_factory):
+    """One run of ppg_procgen.py on CueEnv at PPG_CUE, trained once for the session, for the tests that read it
+    (test_exercises.py's full PPG grade is given it): its Args and its run directory's absolute path."""
+    import ppg_procgen
+
+    args = ppg_procgen.Args(**PPG_CUE)
+    workdir = tmp_path_factory.mktemp("ppg_cue")
+    run_dir = os.path.join(workdir, train_in(workdir, ppg_procgen, args, cue_env=True))
+    return types.SimpleNamespace(args=args, run_dir=run_dir)
 
 
 # Topic markers for grading subsets (`pytest -m gae tests`; the markers are registered in pytest.ini), assigned by

@@ -695,9 +695,9 @@ def test_the_pytest_route_grades_only_what_a_script_holds_without_marker_warning
 
 
 # ---------------------------------------------------------------- the whole grade, training included
-def reuse_the_run_for_its_flags(monkeypatch, run):
-    """The scripts the grade loads train by returning `run`'s summary when asked for its flags (other flags train),
-    so that a run another test reads is trained once."""
+def reuse_the_run_for_its_flags(monkeypatch, run_args, returned):
+    """The scripts the grade loads train by returning what the session's run at `run_args` returned when asked for
+    its flags (other flags train), so that a run other tests read is trained once (conftest.py)."""
     load_script = grade.load_script
 
     def load_and_reuse(path):
@@ -705,8 +705,8 @@ def reuse_the_run_for_its_flags(monkeypatch, run):
         train = module.train
 
         def train_or_reuse(args):
-            asked = dict(dataclasses.asdict(args), save_model=run.args.save_model)  # saving changes no number
-            return run.summary if asked == dataclasses.asdict(run.args) else train(args)
+            asked = dict(dataclasses.asdict(args), save_model=run_args.save_model)  # saving changes no number
+            return returned if asked == dataclasses.asdict(run_args) else train(args)
         module.train = train_or_reuse
         return module
     monkeypatch.setattr(grade, "load_script", load_and_reuse)
@@ -715,8 +715,13 @@ def reuse_the_run_for_its_flags(monkeypatch, run):
 @pytest.mark.exercise_training
 @pytest.mark.parametrize("exercise", ["ppg_aux", "rlhf"])  # PPG trains with the student's phase; RLHF reads its own
 def test_full_grade_with_training_passes_and_prints_the_curve(exercise, request, monkeypatch):
-    if exercise == "rlhf":  # the grade's flags are test_rlhf.py's end-to-end run's: that run, trained once
-        reuse_the_run_for_its_flags(monkeypatch, request.getfixturevalue("rlhf_tiny_run"))
+    """The grades' flags are those of the session's runs: test_rlhf.py's end-to-end run, PPG's learning run."""
+    if exercise == "rlhf":
+        run = request.getfixturevalue("rlhf_tiny_run")
+        reuse_the_run_for_its_flags(monkeypatch, run.args, run.summary)
+    else:
+        run = request.getfixturevalue("ppg_cue_run")
+        reuse_the_run_for_its_flags(monkeypatch, run.args, run.run_dir)
     lines = []
     start = time.time()
     passed = grade.grade(exercise, out=lines.append)
