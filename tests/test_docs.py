@@ -425,7 +425,7 @@ def test_the_quoted_on_track_line_is_the_committed_seed_2_runs():
     on_track = load("benchmarks/reference/on_track.py")
     folder = os.path.join(ROOT, "benchmarks", "results", "procgen_cpu")
     (run,) = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-              if json.load(open(os.path.join(folder, name, "args.json")))["seed"] == 2]
+              if json.load(open(os.path.join(folder, name, "args.json")))["seed"] == 2 and "__ppo_procgen__" in name]
     line = on_track.run_on_track_line(json.load(open(os.path.join(run, "args.json"))), 524_288,
                                       os.path.join(run, "metrics.jsonl"))
     assert line.startswith("starpilot @ 0.5M (mean of the last 131k steps): ours ")
