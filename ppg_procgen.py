@@ -8,8 +8,10 @@ Read top to bottom: the environment, the network, the algorithm's pieces, then `
 the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
 import collections
 import contextlib
+import copy
 import datetime
 import functools
+import glob
 import io
 import json
 import math
@@ -143,7 +145,9 @@ class Args:
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run saved in this checkpoint, to its original total steps"""
+    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer, flags,
+    RNG and reward statistics as they were after its iteration, bit for bit; not the games in progress
+    (fresh ones, seeded by the iteration; docs/reliability.md)"""
     eval_only: bool = False
     """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
@@ -392,10 +396,11 @@ def explained_variance(returns, values):
     return (1 - (residual_std / returns_std) ** 2).item()
 
 
-def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None):
+def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None, check_stop=None):
     """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
     loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
-    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update."""
+    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update.
+    `check_stop()`, called before each minibatch, may raise to drop the update (a signal)."""
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -407,6 +412,8 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
     for epoch in range(max(epochs_pi, epochs_v)):
         epoch_kl = epoch_approx_kl = 0.0  # this epoch's sums, for "kl" and for --target-kl
         for minibatch in minibatches(batch_size, args, batch["obs"].device):
+            if check_stop is not None:
+                check_stop()
             with autocast():
                 logits, new_value = agent(batch["obs"][minibatch])
             new_log_prob, entropy = log_prob_entropy(logits, batch["actions"][minibatch])
@@ -542,10 +549,15 @@ def train(args):
     policy_phase_start = start[0]
     trained = start_iteration - 1  # the last iteration whose policy update is done
     recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
-    # A signal stops the run at the end of an iteration, with a checkpoint; leaving closes the games
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    # A signal stops the run at the next rollout step or minibatch with a checkpoint of the last whole
+    # iteration (the one in flight is dropped); leaving closes the games
     with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
         try:
             for iteration in range(start_iteration, num_iterations + 1):
+                # A copy, for a signal inside this iteration: the update changes the live weights
+                last_whole = copy.deepcopy(checkpoint_state(args, run_name, iteration - 1, agent, optimizers, envs.env,
+                                                            kl_beta))
                 if args.anneal_lr:  # linearly to 0 over the run
                     for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
                         group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
@@ -554,6 +566,7 @@ def train(args):
                 episode_returns, episode_lengths = [], []
                 rollout_start, env_seconds = time.perf_counter(), 0.0  # the rollout's, the games' share
                 for step in range(args.num_steps):
+                    stop.check()  # after a signal: raises Interrupted
                     global_step += args.num_envs
                     obs[step] = next_obs
                     dones[step] = next_done
@@ -585,7 +598,7 @@ def train(args):
                              logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
                              returns=returns.flatten(), values=values.flatten())
                 stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast,
-                                   kl_beta)
+                                   kl_beta, stop.check)
                 trained = iteration  # a non-finite auxiliary step saves this one
                 stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
                 if args.policy_loss == "kl-penalty" and args.kl_beta is None:
@@ -610,9 +623,12 @@ def train(args):
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
                 if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
                     state = checkpoint_state(args, run_name, iteration, agent, optimizers, envs.env, kl_beta)
-                    stop.save(os.path.join(run_dir, "checkpoint.pt"), state, final=iteration == num_iterations)
+                    stop.save(checkpoint_path, state, final=iteration == num_iterations)
                 if stopping:
                     stop.exit(iteration)
+        except Interrupted:  # a signal inside an iteration
+            stop.save(checkpoint_path, last_whole, final=False)
+            stop.exit(iteration - 1)
         except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
             state = checkpoint_state(args, run_name, trained, agent, optimizers, envs.env, kl_beta)
             exit_nonfinite(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
@@ -818,6 +834,9 @@ def open_run(args, checkpoint, rank):
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+        leftovers = glob.glob(os.path.join(run_dir, "*.tmp")) + glob.glob(os.path.join(run_dir, "videos", "*.tmp.mp4"))
+        for path in leftovers if rank == 0 else ():  # of a killed write: the file it was to replace is whole
+            os.remove(path)
     else:
         suffix = "__eval" if args.eval_only else ""
         base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
@@ -933,6 +952,10 @@ def thread_split(args, device):
     return env_threads, torch_threads
 
 
+class Interrupted(Exception):
+    """Raised by `StopOnSignal.check` inside an iteration after a signal: the iteration in flight is dropped."""
+
+
 def prepare_phases(args, device, world_size):
     """Before the run's directory (a refusal leaves nothing behind): a note where the run ends
     in a phase; B where it fits (`aux_buffer_device`), [N_pi, games, T, ...], or (None, None)."""
@@ -1009,8 +1032,9 @@ def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targe
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at an iteration's end all ranks learn of it (`requested`), save, `exit`.
-    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
+    """A first Ctrl-C or SIGTERM is recorded; at the next `check` (a rollout step, a minibatch) or an iteration's end
+    all ranks learn of it (`requested`), save, `exit`. A second one (not torchrun's copy within 2 s) stops at once,
+    in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -1046,9 +1070,13 @@ class StopOnSignal:
                 signal.signal(signum, handler)
 
     def requested(self):
-        if dist.is_initialized():  # one all-reduce: all ranks stop after the same iteration
+        if dist.is_initialized():  # one all-reduce: all ranks stop at the same point
             return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
         return bool(self.signals)  # one process: no host sync
+
+    def check(self):
+        if self.requested():
+            raise Interrupted
 
     def save(self, path, state, final):
         if save_checkpoint(path, state):  # else one line; retried at the next save
@@ -1102,8 +1130,8 @@ class Logger:
         purge_step = None  # TensorBoard hides the events from this step on
         if resume_iteration is not None and os.path.exists(path):
             purge_step = drop_rows_after(path, resume_iteration)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # its flags, for benchmarks/results.py
-            json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
+        flags = {"script": os.path.basename(__file__), **asdict(args)}  # for benchmarks/results.py
+        write_atomically(os.path.join(run_dir, "args.json"), json.dumps(flags, indent=1).encode())
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
         self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
@@ -1154,8 +1182,7 @@ def drop_rows_after(path, iteration):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
     kept = [row for row in rows if row["iteration"] <= iteration]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in kept)
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill here loses no row
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
@@ -1242,31 +1269,39 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 
 
 def save_checkpoint(path, state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
-    plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
-    prints one line with the file, the error and the size needed, leaves no temporary file and
-    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
+    """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
+    `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
+    that fails (a full disk) prints one line with the file, the error and the size needed and returns
+    False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
+    data = io.BytesIO()
+    torch.save(state, data)
     try:
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_atomically(path, data.getbuffer())
         return True
-    except (OSError, RuntimeError) as error:  # torch words a full disk as RuntimeError "unexpected"
-        needed = io.BytesIO()
-        torch.save(state, needed)
+    except OSError as error:
         disk = os.statvfs(os.path.dirname(path) or ".")
-        free = disk.f_bavail * disk.f_frsize
-        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
-        if free < needed.tell():  # torch's own words for it are "unexpected pos"
-            reason = "no space left on the device"
-        print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
-              f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
-              flush=True)
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs {data.tell() / 2**20:.1f} "
+              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
+              file=sys.stderr, flush=True)
         return False
+
+
+def write_atomically(path, data):
+    """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed write
+    (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a power cut leaves no empty file
+        os.replace(temporary, path)
     finally:  # also when a second signal interrupts the write
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def reward_statistics(normalizer):

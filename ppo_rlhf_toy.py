@@ -8,6 +8,7 @@ Read top to bottom; the appendix below `train` is plumbing.
 """
 import copy
 import functools
+import io
 import itertools
 import json
 import math
@@ -1037,8 +1038,25 @@ class Logger:
 def save_checkpoint(path, model, **extra):
     """The model's config (plain Python values) and weights, plus `extra` (tensors, numbers,
     strings, lists, dicts only), so that load_checkpoint can read it with weights_only=True."""
-    torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
+    data = io.BytesIO()
+    torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, data)
+    write_atomically(path, data.getbuffer())
+
+
+def write_atomically(path, data):
+    """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`; a failed write
+    leaves no temporary file (a kill -9 may leave one; the finished files are whole)."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a power cut leaves no empty file
+        os.replace(temporary, path)
+    finally:  # also when a second signal interrupts the write
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def load_checkpoint(path, flag, device):
@@ -1170,8 +1188,9 @@ def plot_sweep(histories, bon, path):
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
+    write_atomically(path, image.getbuffer())
 
 
 def summary_line(name, evaluation):

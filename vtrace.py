@@ -11,6 +11,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import glob
 import io
 import json
 import math
@@ -143,7 +144,9 @@ class Args:
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run saved in this checkpoint, to its original total steps"""
+    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer, flags,
+    RNG and reward statistics as they were at its update, bit for bit (a stop inside an iteration goes on
+    from there); not the games in progress (fresh ones, seeded by the iteration; docs/reliability.md)"""
     eval_only: bool = False
     """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
@@ -637,15 +640,9 @@ def train(args):
                     times.update(wait=learn_start - wait_start, learn=time.perf_counter() - learn_start,
                                  actor_wait=unroll["actor_wait"], actor_play=unroll["actor_play"])
                     # A signal stops here, all ranks after the same update (after the last one: at the
-                    # iteration's end, with its row); the checkpoint keeps the iteration's record so far.
-                    if update < args.updates_per_iteration - 1 and stop.requested():
-                        actor.close()  # it plays no further while the checkpoint is written
-                        record = (lags, stats, episode_returns, episode_lengths)
-                        steps_trained = global_step + (update + 1) * steps_per_update
-                        state = checkpoint_state(args, run_name, iteration - 1, steps_trained, agent, optimizer,
-                                                 reward_rms, version, record)
-                        stop.save(checkpoint_path, state, final=False)
-                        stop.exit(iteration - 1)
+                    # iteration's end, with its row).
+                    if update < args.updates_per_iteration - 1:
+                        stop.check()  # after a signal: raises Interrupted
                 global_step += steps_per_iteration
 
                 # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
@@ -664,6 +661,14 @@ def train(args):
                     stop.save(checkpoint_path, state, final=iteration == num_iterations)
                 if stopping:
                     stop.exit(iteration)
+        except Interrupted:  # inside an iteration: the checkpoint keeps its record so far, to go on from there
+            actor.close()  # it plays no further while the checkpoint is written
+            record = (lags, stats, episode_returns, episode_lengths)
+            steps_trained = global_step + (update + 1) * steps_per_update
+            state = checkpoint_state(args, run_name, iteration - 1, steps_trained, agent, optimizer, reward_rms,
+                                     version, record)
+            stop.save(checkpoint_path, state, final=False)
+            stop.exit(iteration - 1)
         except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
             actor.close()
             state = checkpoint_state(args, run_name, iteration - 1, global_step, agent, optimizer, reward_rms, version)
@@ -856,6 +861,9 @@ def open_run(args, checkpoint, rank):
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
+        leftovers = glob.glob(os.path.join(run_dir, "*.tmp")) + glob.glob(os.path.join(run_dir, "videos", "*.tmp.mp4"))
+        for path in leftovers if rank == 0 else ():  # of a killed write: the file it was to replace is whole
+            os.remove(path)
     else:
         suffix = "__eval" if args.eval_only else ""
         base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
@@ -949,9 +957,14 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
+class Interrupted(Exception):
+    """Raised by `StopOnSignal.check` inside an iteration after a signal: the iteration in flight is dropped."""
+
+
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at an iteration's end all ranks learn of it (`requested`), save, `exit`.
-    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
+    """A first Ctrl-C or SIGTERM is recorded; at the next `check` (a rollout step, a minibatch) or an iteration's end
+    all ranks learn of it (`requested`), save, `exit`. A second one (not torchrun's copy within 2 s) stops at once,
+    in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -987,9 +1000,13 @@ class StopOnSignal:
                 signal.signal(signum, handler)
 
     def requested(self):
-        if dist.is_initialized():  # one all-reduce: all ranks stop after the same iteration
+        if dist.is_initialized():  # one all-reduce: all ranks stop at the same point
             return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
         return bool(self.signals)  # one process: no host sync
+
+    def check(self):
+        if self.requested():
+            raise Interrupted
 
     def save(self, path, state, final):
         if save_checkpoint(path, state):  # else one line; retried at the next save
@@ -1033,8 +1050,8 @@ class Logger:
         purge_step = None  # TensorBoard hides the events from this step on
         if resume_iteration is not None and os.path.exists(path):
             purge_step = drop_rows_after(path, resume_iteration)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # its flags, for benchmarks/results.py
-            json.dump({"script": os.path.basename(__file__), **asdict(args)}, f, indent=1)
+        flags = {"script": os.path.basename(__file__), **asdict(args)}  # for benchmarks/results.py
+        write_atomically(os.path.join(run_dir, "args.json"), json.dumps(flags, indent=1).encode())
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
         self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
@@ -1085,8 +1102,7 @@ def drop_rows_after(path, iteration):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
     kept = [row for row in rows if row["iteration"] <= iteration]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in kept)
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill here loses no row
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
@@ -1147,31 +1163,39 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 
 
 def save_checkpoint(path, state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact. `state` holds tensors and
-    plain data only, every rank's part gathered; rank 0 writes it. A write that fails (a full disk)
-    prints one line with the file, the error and the size needed, leaves no temporary file and
-    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
+    """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
+    `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
+    that fails (a full disk) prints one line with the file, the error and the size needed and returns
+    False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
+    data = io.BytesIO()
+    torch.save(state, data)
     try:
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_atomically(path, data.getbuffer())
         return True
-    except (OSError, RuntimeError) as error:  # torch words a full disk as RuntimeError "unexpected"
-        needed = io.BytesIO()
-        torch.save(state, needed)
+    except OSError as error:
         disk = os.statvfs(os.path.dirname(path) or ".")
-        free = disk.f_bavail * disk.f_frsize
-        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:120]
-        if free < needed.tell():  # torch's own words for it are "unexpected pos"
-            reason = "no space left on the device"
-        print(f"warning: could not write {path}: {reason} (it needs {needed.tell() / 2**20:.1f} MiB, "
-              f"{free / 2**20:.1f} MiB free); the previous checkpoint is kept", file=sys.stderr,
-              flush=True)
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs {data.tell() / 2**20:.1f} "
+              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
+              file=sys.stderr, flush=True)
         return False
+
+
+def write_atomically(path, data):
+    """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed write
+    (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a power cut leaves no empty file
+        os.replace(temporary, path)
     finally:  # also when a second signal interrupts the write
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def reward_statistics(normalizer):

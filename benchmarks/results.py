@@ -34,6 +34,7 @@ The statistics are those of Agarwal et al. 2021, "Deep RL at the Edge of the Sta
 their `rliable` library, written out in numpy below (rliable pulls in scipy, pandas, seaborn and arch);
 docs/scale-out.md (results section) records a cross-check against rliable 1.2.0.
 """
+import io
 import json
 import os
 import sys
@@ -460,8 +461,7 @@ def plot_game(path, game, mode, by_algorithm, colors, args, references=None):
     official = "; dashed: the anchors' own runs (faint: their seeds' range)" if drawn else ""
     figure.suptitle(f"{game} ({mode}): mean over seeds, {args.confidence:.0%} t-interval; x: a partial run's end"
                     + official)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def draw_interval(axis, position, value, interval, color):
@@ -500,12 +500,34 @@ def plot_aggregate(path, aggregates, colors, score_name, confidence):
         axis.grid(axis="x", alpha=0.3)
     figure.suptitle(f"normalized score over {score_name}; bars: {confidence:.0%} stratified-bootstrap intervals, "
                     "black ticks: point estimates")
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Aggregate and tables
+
+def save_figure(figure, path):
+    """The figure as a PNG at `path`, written atomically; then closed."""
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
+    plt.close(figure)
+    write_atomically(path, image.getbuffer())
+
+
+def write_atomically(path, data):
+    """`path` holds all of `data` (bytes) or what it held before, whatever happens: a temporary file in the same
+    folder, flushed to the disk, renamed over `path`; a failed write leaves no temporary file."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
 
 def aggregate_scores(scores, reps, confidence, rng):
     """scores: {algorithm: one array of normalized scores per game}, the same games for every algorithm. Returns
@@ -696,10 +718,12 @@ def main(argv=None):
                f"{args.reps} --confidence {args.confidence} --seed {args.seed}"
                + ("" if args.reference else " --no-reference"))
     partial_runs = [f"- `{run.path}`: {run.partial}" for run in runs if run.partial]
-    with open(os.path.join(out, "aggregate.md"), "w") as f:
-        f.write("\n".join([f"# Results from {len(runs)} runs", "", f"`{command}`", ""] + lines
-                          + (["Partial runs (read up to their last complete row):", ""] + partial_runs
-                             if partial_runs else [])) + "\n")
+    if partial_runs:
+        lines_out = lines + ["Partial runs (read up to their last complete row):", ""] + partial_runs
+    else:
+        lines_out = lines
+    text = "\n".join([f"# Results from {len(runs)} runs", "", f"`{command}`", ""] + lines_out) + "\n"
+    write_atomically(os.path.join(out, "aggregate.md"), text.encode())
     if aggregates:
         plot_aggregate(os.path.join(out, "aggregate.png"), aggregates, colors, score_name, args.confidence)
     print("\n" + "\n".join(lines))

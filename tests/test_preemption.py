@@ -73,22 +73,19 @@ def test_unwritable_runs_parent_fails_with_one_line_before_anything_heavy(how, i
 
 
 def full_disk_after(monkeypatch, failing_saves):
-    """torch.save to a checkpoint's .tmp file writes half of it and then fails like a full disk, at the
-    `failing_saves`-th saves (1-based); other calls (in memory) go through."""
-    real_save = torch.save
+    """The disk fills up while a checkpoint's .tmp file is written, at the `failing_saves`-th saves (1-based): half
+    of it is on the disk, then the write fails with ENOSPC (reported at the latest by fsync)."""
+    real_fsync = os.fsync
     calls = [0]
 
-    def save(obj, target, *args, **kwargs):
-        if not isinstance(target, str):
-            return real_save(obj, target, *args, **kwargs)
-        calls[0] += 1
-        if calls[0] not in failing_saves:
-            return real_save(obj, target, *args, **kwargs)
-        real_save(obj, target)
-        with open(target, "r+b") as f:
-            f.truncate(os.path.getsize(target) // 2)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(torch, "save", save)
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".pt.tmp"):
+            calls[0] += 1
+            if calls[0] in failing_saves:
+                os.ftruncate(fd, os.fstat(fd).st_size // 2)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
 
 
 def test_a_full_disk_costs_one_line_and_the_run_goes_on(cue_env, in_tmp, monkeypatch, capsys):
