@@ -4,7 +4,10 @@ rollout, a minibatch, PPG's auxiliary phase, IMPALA's iteration, the final evalu
 checkpoint until the run ends; then it must equal the same run stopped cleanly at the same iterations, bit for bit.
 Together the three campaigns have every moment; benchmarks/fault_campaign.py runs many more kills."""
 import concurrent.futures
+import glob
+import importlib
 import os
+import signal
 
 import pytest
 
@@ -79,3 +82,74 @@ def test_killed_and_resumed_equals_stopped_and_resumed_bit_for_bit(campaigns, sc
     clean = driver.load(os.path.join(campaign["reference_dir"], "checkpoint.pt"))
     assert driver.differences(killed, clean) == []
     assert driver.training_rows(campaign["run_dir"]) == driver.training_rows(campaign["reference_dir"])
+
+
+# ---- A SIGTERM inside an iteration: honoured at the next rollout step or minibatch (PPO and PPG) ----
+def tiny(module, **overrides):
+    flags = dict(driver.FLAGS[module.__name__], eval_every=0, save_model=False, total_timesteps=96)
+    return module.Args(**{**flags, **overrides})
+
+
+def signal_at_call(monkeypatch, owner, name, at):
+    """`owner.name`'s `at`-th call sends this process SIGTERM first; returns the list of calls."""
+    function, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return function(*args, **kwargs)
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+@pytest.fixture(params=["ppo_procgen", "ppg_procgen"])
+def script(request, cue_env):
+    module = importlib.import_module(request.param)
+    cue_env(module)
+    return module
+
+
+def test_a_signal_mid_rollout_stops_at_the_next_step(script, in_tmp, monkeypatch, capsys):
+    steps = driver.FLAGS[script.__name__]["num_steps"]
+    at = 1 + steps + 3  # the reset's frames, iteration 1's steps, then iteration 2's third step
+    calls = signal_at_call(monkeypatch, script.FramesToDevice, "__call__", at)
+    with pytest.raises(SystemExit) as raised:
+        script.train(tiny(script))
+    assert raised.value.code == 128 + signal.SIGTERM
+    assert len(calls) == at  # the step in progress ends; the next one does not start
+    (run_dir,) = [os.path.join("runs", name) for name in os.listdir("runs")]
+    assert "interrupted by SIGTERM: saved iteration 1 to " in capsys.readouterr().out
+    assert driver.load(os.path.join(run_dir, "checkpoint.pt"))["iteration"] == 1
+    assert [row["iteration"] for row in driver.training_rows(run_dir)] == [1]
+
+
+def test_a_signal_mid_update_saves_the_last_whole_iteration_untouched(script, in_tmp, monkeypatch):
+    """Stopped after iteration 2's first minibatch, the checkpoint is iteration 1's as a stop at its end saves it,
+    bit for bit: the minibatch steps taken before the stop are not in it."""
+    with monkeypatch.context() as patch:  # the reference: a signal in iteration 1's log line, saved at its end
+        signal_at_call(patch, script, "log_iteration", 1)
+        with pytest.raises(SystemExit):
+            script.train(tiny(script, exp_name="clean"))
+    minibatches = driver.occurrences(script.__name__, "mid-update")
+    calls = signal_at_call(monkeypatch, script, "policy_loss", minibatches + 1)  # iteration 2's first minibatch
+    with pytest.raises(SystemExit) as raised:
+        script.train(tiny(script, exp_name="stopped"))
+    assert raised.value.code == 128 + signal.SIGTERM and len(calls) == minibatches + 1
+    clean, stopped = (driver.load(glob.glob(f"runs/*__{name}__*/checkpoint.pt")[0]) for name in ("clean", "stopped"))
+    assert clean["iteration"] == stopped["iteration"] == 1
+    assert driver.differences(clean, stopped) == []
+
+
+def test_a_resume_removes_the_temporary_files_of_killed_writes(in_tmp):
+    import ppo_procgen as ppo
+
+    run_dir = in_tmp / "runs" / "run"
+    os.makedirs(run_dir / "videos")
+    leftovers = ["checkpoint.pt.tmp", "metrics.jsonl.tmp", "args.json.tmp", "videos/eval_00002.tmp.mp4"]
+    for name in leftovers + ["videos/eval_00001.mp4"]:
+        (run_dir / name).write_bytes(b"half")
+    args = ppo.Args(resume=str(run_dir / "checkpoint.pt"))
+    ppo.open_run(args, {"run_name": "run", "iteration": 1}, rank=0)[2].close()
+    assert not any((run_dir / name).exists() for name in leftovers)
+    assert os.listdir(run_dir / "videos") == ["eval_00001.mp4"]
