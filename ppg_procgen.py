@@ -145,9 +145,9 @@ class Args:
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer, flags,
-    RNG and reward statistics as they were after its iteration, bit for bit; not the games in progress
-    (fresh ones, seeded by the iteration; docs/reliability.md)"""
+    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer,
+    flags, RNG and reward statistics as they were after its iteration, bit for bit; not the games in
+    progress (fresh ones, seeded by the iteration; docs/reliability.md)"""
     eval_only: bool = False
     """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
@@ -396,7 +396,8 @@ def explained_variance(returns, values):
     return (1 - (residual_std / returns_std) ** 2).item()
 
 
-def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None, check_stop=None):
+def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None,
+               check_stop=None):
     """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
     loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
     is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update.
@@ -550,14 +551,12 @@ def train(args):
     trained = start_iteration - 1  # the last iteration whose policy update is done
     recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
-    # A signal stops the run at the next rollout step or minibatch with a checkpoint of the last whole
-    # iteration (the one in flight is dropped); leaving closes the games
+    # A signal stops at the next rollout step or minibatch and saves the last whole iteration
     with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
         try:
             for iteration in range(start_iteration, num_iterations + 1):
-                # A copy, for a signal inside this iteration: the update changes the live weights
-                last_whole = copy.deepcopy(checkpoint_state(args, run_name, iteration - 1, agent, optimizers, envs.env,
-                                                            kl_beta))
+                last_whole = copy.deepcopy(checkpoint_state(  # a copy: the update changes the weights
+                    args, run_name, iteration - 1, agent, optimizers, envs.env, kl_beta))
                 if args.anneal_lr:  # linearly to 0 over the run
                     for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
                         group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
@@ -735,8 +734,8 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
 
 def write_video(path, frames, fps=15):
     import imageio.v3 as iio  # via PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old)
-    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
-    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+    video = iio.imwrite("<bytes>", frames, plugin="pyav", extension=".mp4", codec="libx264", fps=fps)
+    write_atomically(path, video)
 
 
 class ProcgenVecEnv(gym.vector.VectorEnv):
@@ -834,8 +833,8 @@ def open_run(args, checkpoint, rank):
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        leftovers = glob.glob(os.path.join(run_dir, "*.tmp")) + glob.glob(os.path.join(run_dir, "videos", "*.tmp.mp4"))
-        for path in leftovers if rank == 0 else ():  # of a killed write: the file it was to replace is whole
+        # Left by a killed write (the file it was to replace is whole): gone
+        for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True) if rank == 0 else ():
             os.remove(path)
     else:
         suffix = "__eval" if args.eval_only else ""
@@ -953,7 +952,7 @@ def thread_split(args, device):
 
 
 class Interrupted(Exception):
-    """Raised by `StopOnSignal.check` inside an iteration after a signal: the iteration in flight is dropped."""
+    """Raised by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
 
 
 def prepare_phases(args, device, world_size):
@@ -1032,9 +1031,8 @@ def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targe
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at the next `check` (a rollout step, a minibatch) or an iteration's end
-    all ranks learn of it (`requested`), save, `exit`. A second one (not torchrun's copy within 2 s) stops at once,
-    in one line. Leaving closes `closing`."""
+    """A first Ctrl-C or SIGTERM is recorded; at a `check` or an iteration's end all ranks learn of it, save, `exit`.
+    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -1182,7 +1180,7 @@ def drop_rows_after(path, iteration):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
     kept = [row for row in rows if row["iteration"] <= iteration]
-    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill here loses no row
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill loses no row
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
@@ -1271,8 +1269,8 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 def save_checkpoint(path, state):
     """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
     `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
-    that fails (a full disk) prints one line with the file, the error and the size needed and returns
-    False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
+    that fails (a full disk) prints one line with the file, the error and the size needed and
+    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
     data = io.BytesIO()
@@ -1282,16 +1280,17 @@ def save_checkpoint(path, state):
         return True
     except OSError as error:
         disk = os.statvfs(os.path.dirname(path) or ".")
-        print(f"warning: could not write {path}: {error.strerror or error} (it needs {data.tell() / 2**20:.1f} "
-              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
+        free = disk.f_bavail * disk.f_frsize / 2**20
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs "
+              f"{data.tell() / 2**20:.1f} MiB, {free:.1f} MiB free); the previous checkpoint is kept",
               file=sys.stderr, flush=True)
         return False
 
 
 def write_atomically(path, data):
     """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
-    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed write
-    (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed
+    write (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
     temporary = path + ".tmp"
     try:
         with open(temporary, "wb") as f:

@@ -776,8 +776,8 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
 
 def write_video(path, frames, fps=15):
     import imageio.v3 as iio  # via PyAV, which ships libx264 (gym3 pins an imageio-ffmpeg too old)
-    iio.imwrite(path[: -len(".mp4")] + ".tmp.mp4", frames, plugin="pyav", codec="libx264", fps=fps)
-    os.replace(path[: -len(".mp4")] + ".tmp.mp4", path)
+    video = iio.imwrite("<bytes>", frames, plugin="pyav", extension=".mp4", codec="libx264", fps=fps)
+    write_atomically(path, video)
 
 
 class ProcgenVecEnv(gym.vector.VectorEnv):
@@ -861,8 +861,8 @@ def open_run(args, checkpoint, rank):
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        leftovers = glob.glob(os.path.join(run_dir, "*.tmp")) + glob.glob(os.path.join(run_dir, "videos", "*.tmp.mp4"))
-        for path in leftovers if rank == 0 else ():  # of a killed write: the file it was to replace is whole
+        # Left by a killed write (the file it was to replace is whole): gone
+        for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True) if rank == 0 else ():
             os.remove(path)
     else:
         suffix = "__eval" if args.eval_only else ""
@@ -958,13 +958,12 @@ def gather(items):
 
 
 class Interrupted(Exception):
-    """Raised by `StopOnSignal.check` inside an iteration after a signal: the iteration in flight is dropped."""
+    """Raised by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at the next `check` (a rollout step, a minibatch) or an iteration's end
-    all ranks learn of it (`requested`), save, `exit`. A second one (not torchrun's copy within 2 s) stops at once,
-    in one line. Leaving closes `closing`."""
+    """A first Ctrl-C or SIGTERM is recorded; at a `check` or an iteration's end all ranks learn of it, save, `exit`.
+    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
 
     def __init__(self, args, checkpoint, device, closing):
         self.device, self.closing = device, closing
@@ -1102,7 +1101,7 @@ def drop_rows_after(path, iteration):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
     kept = [row for row in rows if row["iteration"] <= iteration]
-    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill here loses no row
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())  # a kill loses no row
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
@@ -1165,8 +1164,8 @@ RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episod
 def save_checkpoint(path, state):
     """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
     `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
-    that fails (a full disk) prints one line with the file, the error and the size needed and returns
-    False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
+    that fails (a full disk) prints one line with the file, the error and the size needed and
+    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
     if dist.is_initialized() and dist.get_rank() > 0:
         return True
     data = io.BytesIO()
@@ -1176,16 +1175,17 @@ def save_checkpoint(path, state):
         return True
     except OSError as error:
         disk = os.statvfs(os.path.dirname(path) or ".")
-        print(f"warning: could not write {path}: {error.strerror or error} (it needs {data.tell() / 2**20:.1f} "
-              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
+        free = disk.f_bavail * disk.f_frsize / 2**20
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs "
+              f"{data.tell() / 2**20:.1f} MiB, {free:.1f} MiB free); the previous checkpoint is kept",
               file=sys.stderr, flush=True)
         return False
 
 
 def write_atomically(path, data):
     """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
-    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed write
-    (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`. A failed
+    write (a full disk) leaves no temporary file; a kill leaves one, which a resumed run removes."""
     temporary = path + ".tmp"
     try:
         with open(temporary, "wb") as f:

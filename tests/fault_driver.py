@@ -131,27 +131,32 @@ def cue_env(cue_class, num_envs, *args, **kwargs):
     return cue_class(num_envs)
 
 
-def forkserver():
-    """A multiprocessing context whose children are forked from a server that imported torch and the scripts."""
+def forkserver(extra=()):
+    """A multiprocessing context whose children are forked from a server that imported torch and the scripts
+    (and the modules `extra`)."""
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo: the first torch.optim.Adam imports it (2.5 s of a tiny run's 3.8 s)
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.utils.tensorboard", "exercises.cue_env",
-                                    "ppo_procgen", "ppg_procgen", "vtrace", "fault_driver"])
+                                    "ppo_procgen", "ppg_procgen", "vtrace", "fault_driver", *extra])
     return context
 
 
 def run_child(context, script, flags, workdir, fault):
     """Runs one child to its end; returns its exit code (-9: killed). A fault ("after", seconds) is a SIGKILL
     from outside at that instant, wherever the child is then."""
-    planted = fault
     if fault is not None and fault[0] == "after":
-        planted = None
-    process = context.Process(target=child, args=(script, flags, workdir, planted))
+        return run_child_process(context, child, (script, flags, workdir, None), fault[1])
+    return run_child_process(context, child, (script, flags, workdir, fault))
+
+
+def run_child_process(context, target, args, kill_after=None):
+    """target(*args) in a child; SIGKILLed from outside after `kill_after` seconds if still running. Returns its
+    exit code."""
+    process = context.Process(target=target, args=args)
     process.start()
-    if fault is not None and fault[0] == "after":
-        process.join(fault[1])
-        if process.exitcode is None:
-            os.kill(process.pid, signal.SIGKILL)
+    process.join(kill_after)
+    if process.exitcode is None:
+        os.kill(process.pid, signal.SIGKILL)
     process.join()
     return process.exitcode
 
@@ -201,8 +206,9 @@ def load(path):
 
 def chain(context, script, workdir, faults):
     """Runs `script` killed by each fault of `faults` in turn, each time resumed from its checkpoint (a run
-    killed before its first checkpoint starts anew), then to its end. Returns (the final run directory, a record
-    per child: its fault, exit code, the checkpoint iteration it resumed from and left, leftover .tmp files)."""
+    killed before its first checkpoint starts anew), then to its end (a timed kill may come after it: the faults
+    left are not used). Returns (the final run directory, a record per child: its fault, exit code, the
+    checkpoint iteration it resumed from and left, the .tmp files in the run directory before and after it)."""
     os.makedirs(workdir, exist_ok=True)
     records = []
     run_dir = None
@@ -219,6 +225,8 @@ def chain(context, script, workdir, faults):
         records.append(dict(fault=fault, exit=code, resumed_from=resumed_from, saved=saved,
                             tmp_before=[name for name in leftovers_before if name.endswith(".tmp")],
                             tmp_after=[name for name in os.listdir(run_dir) if name.endswith(".tmp")]))
+        if code == 0:
+            break
     return run_dir, records
 
 
@@ -267,3 +275,72 @@ def differences(first, second, where=""):
         return [place for index, (a, b) in enumerate(zip(first, second))
                 for place in differences(a, b, f"{where}[{index}]")]
     return [] if first == second else [where]
+
+
+def campaign(context, script, workdir, faults):
+    """The kill chain and its clean reference, in workdir/killed and workdir/clean."""
+    run_dir, records = chain(context, script, os.path.join(workdir, "killed"), faults)
+    reference_dir, codes = reference(context, script, os.path.join(workdir, "clean"), resume_points(records))
+    return dict(script=script, run_dir=run_dir, records=records, reference_dir=reference_dir, codes=codes)
+
+
+# ---- What issue 33 asks of a campaign; each returns what went wrong, [] when nothing did ----
+def kill_problems(campaign):
+    """Every kill landed (exit -9) and the last child ended the run; once a checkpoint exists every kill leaves one
+    that loads (chain loaded each with weights_only=True), never an older one."""
+    records = campaign["records"]
+    exits = [record["exit"] for record in records]
+    problems = []
+    if exits[-1] != 0 or any(code != -9 for code in exits[:-1]):
+        problems.append(f"exit statuses {exits}: each kill should land (-9) and the last child end the run (0)")
+    saved = [record["saved"] for record in records]
+    first = next((index for index, iteration in enumerate(saved) if iteration is not None), len(saved))
+    if None in saved[first:] or saved[first:] != sorted(saved[first:]):
+        problems.append(f"checkpoint iterations after each child {saved}: one lost or gone back")
+    if saved[-1] != iterations(campaign["script"]):
+        problems.append(f"the run ended at iteration {saved[-1]}, not {iterations(campaign['script'])}")
+    return problems
+
+
+def leftover_problems(campaign):
+    """A kill between a complete .tmp and its rename leaves that .tmp; the next resume removes it; none is left."""
+    records = campaign["records"]
+    expected = {"mid-save": "checkpoint.pt.tmp", "mid-rewrite": "metrics.jsonl.tmp"}
+    problems = []
+    for record in records:
+        moment = record["fault"][1] if record["fault"] else None
+        if moment in expected and expected[moment] not in record["tmp_after"]:
+            problems.append(f"{record['fault']}: no {expected[moment]} left, so the kill was not where it should be")
+    if records[-1]["tmp_after"]:
+        problems.append(f"left at the end: {records[-1]['tmp_after']}")
+    return problems
+
+
+def row_problems(campaign):
+    """Each iteration has exactly one training row and one evaluation row, in order."""
+    rows = training_rows(campaign["run_dir"])
+    trained = [row["iteration"] for row in rows if "losses/policy_loss" in row]
+    evaluated = [row["iteration"] for row in rows if "eval/episodic_return" in row]
+    expected = list(range(1, iterations(campaign["script"]) + 1))
+    if trained == evaluated == expected:
+        return []
+    return [f"training rows of iterations {trained}, evaluation rows of {evaluated}: expected {expected}"]
+
+
+def equality_problems(campaign):
+    """The killed-and-resumed run equals the stopped-and-resumed one (clean SIGTERM stops at the iterations the
+    kills resumed from) bit for bit: its final checkpoint and its rows, timing columns aside."""
+    codes = campaign["codes"]
+    problems = []
+    if codes != [128 + signal.SIGTERM] * (len(codes) - 1) + [0]:
+        problems.append(f"the reference's exit statuses {codes}: clean stops (143), then the end (0)")
+    killed = load(os.path.join(campaign["run_dir"], "checkpoint.pt"))
+    clean = load(os.path.join(campaign["reference_dir"], "checkpoint.pt"))
+    problems += [f"checkpoints differ at {place}" for place in differences(killed, clean)]
+    if training_rows(campaign["run_dir"]) != training_rows(campaign["reference_dir"]):
+        problems.append("metrics rows differ")
+    return problems
+
+
+def all_problems(campaign):
+    return kill_problems(campaign) + leftover_problems(campaign) + row_problems(campaign) + equality_problems(campaign)
