@@ -833,9 +833,9 @@ def open_run(args, checkpoint, rank):
         run_name = checkpoint["run_name"]
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        # Left by a killed write (the file it was to replace is whole): gone
-        for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True) if rank == 0 else ():
-            os.remove(path)
+        if rank == 0:  # the .tmp files of a killed write (the file it was to replace is whole)
+            for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True):
+                os.remove(path)
     else:
         suffix = "__eval" if args.eval_only else ""
         base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
