@@ -3,8 +3,9 @@
 started; the time from the signal to the process's exit is its latency. The JSON keeps each run's exit status, its
 latency, the machine's load and the script's own stop line.
 
-  python benchmarks/sigterm_latency.py --script ppg_procgen.py --at 60 300 --out sigterm_ppg_cpu.json -- \
-      --env-id starpilot
+  python benchmarks/sigterm_latency.py --script ppg_procgen.py --at 40 120 240 --out sigterm_latency_ppg_cpu.json
+
+The script runs at its defaults on --env-id's game.
 """
 import argparse
 import json
@@ -60,11 +61,11 @@ def main(argv=None):
     parser.add_argument("--script", required=True, choices=["ppo_procgen.py", "ppg_procgen.py", "vtrace.py"])
     parser.add_argument("--at", type=float, nargs="+", required=True, help="seconds after the start, one run each")
     parser.add_argument("--out", help="JSON under benchmarks/results/")
-    parser.add_argument("flags", nargs="*", help="the script's flags, after --")
+    parser.add_argument("--env-id", default="starpilot", help="the game; every other flag is the script's default")
     options = parser.parse_args(argv)
     runs = []
     for at in options.at:
-        runs.append(one_run(options.script, options.flags, at))
+        runs.append(one_run(options.script, ["--env-id", options.env_id], at))
         print(json.dumps(runs[-1]), flush=True)
     record = {"command": " ".join(["python", "benchmarks/sigterm_latency.py", *(argv or sys.argv[1:])]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "runs": runs}
