@@ -2,53 +2,63 @@
 machine lacks.
 
 The steps come in the order of their value, so that a run cut short still returns the most
-important numbers. Before each one the deadline is checked: it starts only if the time it needs is
-left before DEADLINE (less a reserve for the last step's clean stop and the packing), and runs under
-its own budget, cut to the time left: past it, SIGTERM to its process group (the scripts stop at
-their next clean point), then SIGKILL. A failed step is recorded and the next one runs;
-summary.json is rewritten after every step.
+important numbers, and their budgets add up: with gpu_bench.sh's set-up (SETUP_S) and the reserve
+kept for the end (RESERVE_S) they fit DEADLINE_S, so at the default deadline every step gets its
+whole budget (tests/test_gpu_check.py checks the sum). A budget is a step's whole wall time: past
+budget - GRACE_S, SIGTERM to its process group (the scripts stop at their next clean point), at the
+budget SIGKILL. Before each step the deadline is checked: it starts only if its need is left before
+the deadline (less the reserve), and its budget is cut to what is left; otherwise it is recorded as
+"no time" with the seconds it needed. A failed step is recorded and the next one runs.
 
   step          need  budget (s)
-  preflight       20      60  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
+  preflight       15      30  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
                               if it fails nothing else runs (the CPU dry run lets no CUDA through)
-  cuda-tests      60     150  pytest -m cuda: the tests that skip without a GPU (4 at a time
-                              where pytest-xdist is)
-  ppo-speed       60     200  bench.py: PPO at its defaults, with --amp, with --compile, each
-                              alone -> ppo.json
-  ppg-speed       45      90  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
+  ppo-speed       40      50  bench.py: PPO at its defaults -> ppo.json
+  ppg-speed       45      60  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
                               auxiliary phases, the first (cold) in the warm-up; the policy and
                               the auxiliary phase apart -> ppg.json
-  impala-speed    40      80  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
+  learning       150     170  PPO and PPG on StarPilot at their defaults, side by side, sized to
+                              the budget; packed into learning.tar.gz as each run ends
+  results         15      30  results.py on the learning runs: figure, aggregate.md, on-track lines
+  ppo-fast        45      70  bench.py: PPO with --amp, with --compile (a cold torch.compile),
+                              each alone -> added to ppo.json
+  impala-speed    30      45  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
-  nccl            30      60  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
+  nccl            20      25  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
                               and a checkpoint
-  learning       150    rest  PPO and PPG on StarPilot at their defaults, side by side, sized to
-                              the time left less the results step's budget
-  results         20      45  results.py on the learning runs: figure, aggregate.md, on-track lines
+  cuda-tests      20      30  pytest -m cuda on the files that hold CUDA tests (2 at a time where
+                              pytest-xdist is); last, since a cut pytest still reports the tests
+                              that ran (gpu_pytest_log.py writes each outcome as the test ends)
+  sum                    510  = DEADLINE_S 540 - SETUP_S 15 - RESERVE_S 15
 
-Files in OUT, 8 at most: gpu_bench.log (gpu_bench.sh writes it), summary.json, ppo.json, ppg.json,
-impala.json, learning.tar.gz (the learning runs' metrics.jsonl, args.json and console logs,
-results.py's outputs), starpilot_easy.png and aggregate.md. Compile time is recorded apart from the
-steady state: bench.py's `warmup_s` of the compile configuration against the defaults'.
+Files in OUT, 8 at most, each written whole (a temporary file in OUT, then os.replace) as soon as
+its step ends: gpu_bench.log (gpu_bench.sh writes it), summary.json (after every step),
+ppo.json, ppg.json, impala.json (bench.py writes into the work folder, the step's end copies),
+learning.tar.gz (the learning runs' metrics.jsonl, args.json and console logs, packed as each run
+ends, then with results.py's outputs), starpilot_easy.png and aggregate.md. Compile time is
+recorded apart from the steady state: bench.py's `warmup_s` of --compile against the defaults'.
 
   python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b]
-      [--fail-step NAME] [--dry-run]
+      [--fail-step NAME] [--time-scale 1] [--dry-run]
 
---tiny is the CPU dry run of tests/test_gpu_check.py: every command at tiny flags, every need 1 s
-but learning's. --steps runs only the named steps (the others are recorded as not selected);
---fail-step replaces a step's command by one that fails, to check that the failure is reported and
-the next step still runs. Only the standard library is imported, so that this runs, and reports,
-whatever the machine lacks.
+The deadline comes from $DEADLINE (default 540): set it from the device tool's `status` before the
+run (docs/speed.md, "The GPU check"). --tiny is the CPU dry run of tests/test_gpu_check.py: every
+command at tiny flags. --time-scale multiplies every need, budget, the reserve, the set-up and the
+grace (a scaled deadline: tests/test_gpu_check.py runs the whole table in seconds). --steps runs
+only the named steps (the others are recorded as not selected); --fail-step replaces a step's
+command by one that fails, to check that the failure is reported and the next step still runs.
+Only the standard library is imported, so that this runs, and reports, whatever the machine lacks.
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
+import functools
 import glob
 import importlib.util
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -60,31 +70,45 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEARNING_NEED_S = 150  # shorter learning runs say nothing: below this much time left, no learning step
-RESULTS_BUDGET_S = 45  # results.py after the learning runs: the learning step leaves it this much
+DEADLINE_S = 540  # the default: the device tool's 600 s per command, less the files' way back
+SETUP_S = 15  # gpu_bench.sh's set-up before this starts (the wheels): it counts against the deadline
+RESERVE_S = 15  # kept back at the end: the last summary, a kill's slack, the files' way back
+GRACE_S = 10  # from a step's SIGTERM to its SIGKILL, inside its budget
+PUBLISH_EVERY_S = 10  # while a step runs, its results so far go into OUT this often (and as a run ends)
 TAIL_LINES = 30  # of a step's output, kept in summary.json when it fails
 PPO_ITERATION = 64 * 256  # environment steps per iteration at the defaults (PPO and PPG)
-LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when ppo.json has no speed at the defaults to size the runs by
-TINY_FLAGS = {  # the CPU dry run: games, networks and batches as small as the scripts allow
+LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when ppo-speed measured nothing to size the runs by
+LEARNING_STARTUP_S = 60  # of the learning step's budget: the runs' start-up and evaluations, not training
+# The files that hold the tests marked cuda (tests/conftest.py's NEEDS["cuda"], @pytest.mark.cuda):
+# collecting only these costs four imports, not the suite's ~600 tests. tests/test_gpu_check.py keeps
+# the list complete.
+CUDA_TEST_FILES = ("tests/test_ppg.py", "tests/test_speed.py", "tests/test_vtrace.py",
+                   "tests/test_vtrace_learner.py")
+TINY_FLAGS = {  # the CPU dry run: games, networks, batches as small as the scripts allow, one thread
     "ppo_procgen.py": "--env-id bigfish --num-envs 2 --num-steps 8 --num-minibatches 1 --update-epochs 1 "
-                      "--channels 4 --hidden-size 8",
+                      "--channels 4 --hidden-size 8 --torch-threads 1",
     "ppg_procgen.py": "--env-id bigfish --num-envs 2 --num-steps 8 --num-minibatches 1 --e-aux 1 "
-                      "--num-aux-rollouts 2 --channels 4 --hidden-size 8",
+                      "--num-aux-rollouts 2 --channels 4 --hidden-size 8 --torch-threads 1",
     "vtrace.py": "--env-id bigfish --num-envs 4 --unroll-length 8 --updates-per-iteration 2 --channels 4 "
                  "--hidden-size 8",
 }
+# (name, need, budget) in seconds at the default deadline, in the order of their value (see above).
+TABLE = [("preflight", 15, 30), ("ppo-speed", 40, 50), ("ppg-speed", 45, 60), ("learning", 150, 170),
+         ("results", 15, 30), ("ppo-fast", 45, 70), ("impala-speed", 30, 45), ("nccl", 20, 25),
+         ("cuda-tests", 20, 30)]
 
 
 @dataclasses.dataclass
 class Settings:
     python: str  # the interpreter of every step
     out: str  # the results (at most 8 files)
-    work: str  # everything else: the learning runs, the preflight's report
+    work: str  # everything else: the learning runs, bench.py's JSONs, the preflight's report, the tests' log
     tiny: bool
     deadline_s: float
     started: float  # when gpu_bench.sh started: its setup counts against the deadline
-    reserve_s: float  # kept back from every step: the last SIGTERM's grace, then packing the learning runs
-    grace_s: float  # from a step's SIGTERM to its SIGKILL
+    scale: float = 1.0  # --time-scale: every need, budget, the reserve and the grace
+    reserve_s: float = RESERVE_S  # kept back from every step, scaled
+    grace_s: float = GRACE_S  # from a step's SIGTERM to its SIGKILL, scaled
 
     def left(self):
         return self.started + self.deadline_s - self.reserve_s - time.time()
@@ -94,24 +118,29 @@ class Settings:
 class Step:
     name: str
     need_s: float  # the least time left in which it starts
-    budget_s: float  # its timeout, cut to the time left; None: all that is left but `leave_s`
+    budget_s: float  # its whole wall time, cut to the time left
     command: list = None  # the process that is the step; None: a function of its own (learning, results)
-    output: str = None  # the JSON it writes into OUT (bench.py's), read into summary.json
-    leave_s: float = 0  # with budget_s None: the seconds left to the steps after it
+    output: str = None  # bench.py's steps: the JSON it lands in, in OUT
+    environment: dict = None  # added to the step's environment
 
 
 # ---- the steps ----
-def bench_command(settings, script, configs, iterations, warmup, output):
-    """bench.py over named configurations of one script, its JSON into OUT."""
+def bench_command(settings, script, configs, iterations, warmup, name):
+    """bench.py over named configurations of one script, its JSON into the work folder (the step's
+    end, and every PUBLISH_EVERY_S, copies it into OUT)."""
     command = [settings.python, os.path.join(ROOT, "benchmarks", "bench.py"), "--script", script]
     if settings.tiny:
         command += ["--common", TINY_FLAGS[script]]
         iterations = 2
         warmup = 1
     command += ["--iterations", str(iterations), "--warmup", str(warmup)]
-    for name, flags in configs:
-        command += ["--config", f"{name}={flags}"]
-    return command + ["--out", os.path.join(settings.out, output)]
+    for config, flags in configs:
+        command += ["--config", f"{config}={flags}"]
+    return command + ["--out", bench_json(settings, name)]
+
+
+def bench_json(settings, name):
+    return os.path.join(settings.work, f"{name}.json")
 
 
 def nccl_command(settings):
@@ -123,6 +152,24 @@ def nccl_command(settings):
             os.path.join(ROOT, "ppo_procgen.py"), *flags, "--save-model", "--exp-name", "nccl_smoke"]
 
 
+def cuda_tests_command(settings, files=CUDA_TEST_FILES):
+    """pytest -m cuda on the files that hold CUDA tests, each outcome logged as it ends
+    (gpu_pytest_log.py); two workers where pytest-xdist is: the three compile tests overlap."""
+    command = [settings.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_pytest_log", "-m", "cuda",
+               *(os.path.join(ROOT, path) for path in files)]
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", "2"]
+    return command
+
+
+def cuda_tests_environment(settings):
+    """The plugin found on PYTHONPATH (after what gpu_bench.sh put first), its log in the work folder."""
+    path = os.path.join(ROOT, "benchmarks")
+    if os.environ.get("PYTHONPATH"):
+        path += os.pathsep + os.environ["PYTHONPATH"]
+    return {"PYTHONPATH": path, "GPU_CHECK_TEST_LOG": os.path.join(settings.work, "cuda_tests.jsonl")}
+
+
 def learning_command(settings, script, total_timesteps):
     flags = ["--env-id", "starpilot", "--seed", "1", "--total-timesteps", str(total_timesteps), "--eval-every", "20"]
     if settings.tiny:
@@ -132,31 +179,26 @@ def learning_command(settings, script, total_timesteps):
 
 
 def plan(settings):
-    """The steps in the order of their value."""
-    def need(seconds):
-        return 1 if settings.tiny else seconds
-
-    pytest = [settings.python, "-m", "pytest", "-q", os.path.join(ROOT, "tests"), "-m", "cuda",
-              "-p", "no:cacheprovider"]
-    if importlib.util.find_spec("xdist") is not None:  # the lent machine has it: the three compile tests at once
-        pytest += ["-n", "4"]
-    ppo = [("defaults", ""), ("amp", "--amp"), ("compile", "--compile")]
-    impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
+    """The steps in the order of their value, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
-    return [
-        Step("preflight", need(20), 60, preflight),
-        Step("cuda-tests", need(60), 150, pytest),
-        Step("ppo-speed", need(60), 200, bench_command(settings, "ppo_procgen.py", ppo, 5, 3, "ppo.json"),
-             "ppo.json"),
-        Step("ppg-speed", need(45), 90, bench_command(settings, "ppg_procgen.py", [("n_pi_2", "--n-pi 2")], 4, 3,
-                                                       "ppg.json"), "ppg.json"),
-        Step("impala-speed", need(40), 80, bench_command(settings, "vtrace.py", impala, 4, 2, "impala.json"),
-             "impala.json"),
-        Step("nccl", need(30), 60, nccl_command(settings)),
-        Step("learning", LEARNING_NEED_S, None, leave_s=RESULTS_BUDGET_S),
-        Step("results", need(20), RESULTS_BUDGET_S),
-    ]
+    ppo_fast = [("amp", "--amp"), ("compile", "--compile")]
+    impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
+    commands = {
+        "preflight": {"command": preflight},
+        "ppo-speed": {"command": bench_command(settings, "ppo_procgen.py", [("defaults", "")], 5, 3, "ppo-speed"),
+                      "output": "ppo.json"},
+        "ppg-speed": {"command": bench_command(settings, "ppg_procgen.py", [("n_pi_2", "--n-pi 2")], 4, 3,
+                                               "ppg-speed"), "output": "ppg.json"},
+        "ppo-fast": {"command": bench_command(settings, "ppo_procgen.py", ppo_fast, 5, 3, "ppo-fast"),
+                     "output": "ppo.json"},
+        "impala-speed": {"command": bench_command(settings, "vtrace.py", impala, 4, 2, "impala-speed"),
+                         "output": "impala.json"},
+        "nccl": {"command": nccl_command(settings)},
+        "cuda-tests": {"command": cuda_tests_command(settings), "environment": cuda_tests_environment(settings)},
+    }
+    return [Step(name, need * settings.scale, budget * settings.scale, **commands.get(name, {}))
+            for name, need, budget in TABLE]
 
 
 def skip_reason(step, settings, done, selected):
@@ -171,8 +213,48 @@ def skip_reason(step, settings, done, selected):
         return "no learning runs"
     left = settings.left()
     if left < step.need_s:
-        return f"deadline: {left:.0f} s left, the step needs {step.need_s:.0f} s"
+        return f"no time: {max(left, 0):.1f} s left, needs {step.need_s:.1f} s"
     return None
+
+
+# ---- writing into OUT: whole files only ----
+def write_atomically(path, write):
+    """`write(file)` into a temporary file beside `path`, flushed and synced, then renamed over it:
+    a reader, or a kill, meets the old file or the new one, never half of one."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
+                                         suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def write_json(path, value):
+    def dump(f):
+        f.write(json.dumps(value, indent=1).encode())
+
+    write_atomically(path, dump)
+
+
+def copy_into(path, folder):
+    def copy(f):
+        with open(path, "rb") as source:
+            shutil.copyfileobj(source, f)
+
+    write_atomically(os.path.join(folder, os.path.basename(path)), copy)
+
+
+def remove_leftovers(settings):
+    """A temporary file a killed writer left in OUT would come back as a ninth file."""
+    for path in glob.glob(os.path.join(settings.out, "*.tmp")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 # ---- running a step's processes ----
@@ -190,47 +272,55 @@ def signal_group(process, signum):
         pass
 
 
-def wait_or_stop(processes, timeout_s, grace_s):
-    """Waits for all processes; past timeout_s, SIGTERM to the process groups of those still
-    running (the scripts then stop at their next clean point, with a checkpoint), grace_s later
-    SIGKILL. Afterwards whatever the steps left behind in their groups (compile workers, a rank) is
-    killed. Returns the indices of those that were stopped."""
-    end = time.time() + timeout_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(end - time.time(), 0))
-        except subprocess.TimeoutExpired:
-            pass
-    stopped = [index for index, process in enumerate(processes) if process.poll() is None]
-    for index in stopped:
-        signal_group(processes[index], signal.SIGTERM)
-    end = time.time() + grace_s
-    for index in stopped:
-        try:
-            processes[index].wait(timeout=max(end - time.time(), 0))
-        except subprocess.TimeoutExpired:
-            signal_group(processes[index], signal.SIGKILL)
-            processes[index].wait()
+def wait_or_stop(processes, timeout_s, grace_s, publish=None):
+    """Waits for all processes, calling `publish()` as each one ends and every PUBLISH_EVERY_S
+    (results land in OUT as they come); at timeout_s - grace_s SIGTERM to the process groups of
+    those still running (the scripts then stop at their next clean point, with a checkpoint), at
+    timeout_s SIGKILL. Afterwards whatever the steps left behind in their groups (compile workers,
+    a rank) is killed. Returns the indices of those that were stopped."""
+    begin = time.time()
+    grace_s = min(grace_s, timeout_s / 4)
+    stopped, running = [], set(range(len(processes)))
+    last_publish = begin
+    while running:
+        ended = {index for index in running if processes[index].poll() is not None}
+        running -= ended
+        elapsed = time.time() - begin
+        if publish is not None and (ended or time.time() - last_publish >= PUBLISH_EVERY_S):
+            publish()
+            last_publish = time.time()
+        if elapsed >= timeout_s:
+            for index in running:
+                signal_group(processes[index], signal.SIGKILL)
+                processes[index].wait()
+            break
+        if elapsed >= timeout_s - grace_s:
+            for index in sorted(running - set(stopped)):
+                signal_group(processes[index], signal.SIGTERM)
+                stopped.append(index)
+        time.sleep(0.05)
     for process in processes:
         signal_group(process, signal.SIGKILL)
-    return stopped
+    if publish is not None:
+        publish()
+    return sorted(stopped)
 
 
-def start(command, cwd, stdout):
+def start(command, cwd, stdout, environment=None):
     """In a process group of its own, so that a timeout stops its children too (bench.py's, torchrun's)."""
-    environment = dict(os.environ, PYTHONUNBUFFERED="1")
+    environment = dict(os.environ, PYTHONUNBUFFERED="1", **(environment or {}))
     return subprocess.Popen(command, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True, env=environment)
 
 
-def run_process(command, timeout_s, settings):
+def run_process(command, timeout_s, settings, environment=None, publish=None):
     """In the work folder (runs/ lands there), its output line by line to ours (the log); returns
     the step's status, exit code and last lines."""
-    process = start(command, settings.work, subprocess.PIPE)
+    process = start(command, settings.work, subprocess.PIPE, environment)
     tail = collections.deque(maxlen=TAIL_LINES)
     reader = threading.Thread(target=echo_lines, args=(process.stdout, tail), daemon=True)
     reader.start()
-    stopped = wait_or_stop([process], timeout_s, settings.grace_s)
+    stopped = wait_or_stop([process], timeout_s, settings.grace_s, publish)
     reader.join(timeout=10)
     status = "ok" if process.returncode == 0 else "failed"
     if stopped:
@@ -262,39 +352,78 @@ def preflight_numbers(step, settings, entry):
     return {"missing": report["status"], "report": report}
 
 
+def read_test_log(path):
+    """gpu_pytest_log.py's lines; a last line cut by a kill is left out."""
+    records = []
+    try:
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    records.append(json.loads(line))
+    except OSError:
+        pass
+    return records
+
+
 def pytest_numbers(step, settings, entry):
-    """The counts of pytest's last line ('3 passed, 11 skipped in 42.0s')."""
-    counts = {}
-    for line in entry["output_tail"].splitlines()[-3:]:
-        for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", line):
-            counts[word.rstrip("s") if word.startswith("error") else word] = int(number)
-    return {"tests": counts}
+    """The outcome counts of the tests that ended, from the log written as each ended (a cut step
+    still has them), the failed tests' names, and whether pytest got to its end."""
+    records = read_test_log(step.environment["GPU_CHECK_TEST_LOG"])
+    counts = collections.Counter(record["outcome"] for record in records if "test" in record)
+    collected = [record["collected"] for record in records if "collected" in record]
+    finished = [record["exit_status"] for record in records if "exit_status" in record]
+    failed = [record["test"] for record in records if record.get("outcome") in ("failed", "error")]
+    return {"tests": dict(counts), "collected": collected[0] if collected else None,
+            "pytest_finished": bool(finished), "failed_tests": failed[:10]}
 
 
 def bench_numbers(step, settings, entry):
     """Per configuration the figures worth reading at a glance (the rest is in the step's JSON)."""
-    saved = read_json(os.path.join(settings.out, step.output), settings)
+    saved = read_json(bench_json(settings, step.name), settings)
     if saved is None:
         return {"results": None}
     keys = ("config", "sps_median", "sps_overall", "sps_policy_phase", "aux_phase_s", "aux_phase_warmup_s",
             "warmup_s", "process_s", "seconds_per_iteration", "peak_gpu_gb", "peak_rss_gb", "error")
     results = [{key: result[key] for key in keys if key in result} for result in saved["results"]]
     numbers = {"results": results}
-    by_name = {result["config"]: result for result in results if "error" not in result}
+    published = read_json(os.path.join(settings.out, step.output), settings) or {"results": []}
+    by_name = {result["config"]: result for result in published["results"] if "error" not in result}
     if "defaults" in by_name and "compile" in by_name:  # torch.compile's cost, apart from its steady state
         numbers["compile_extra_warmup_s"] = by_name["compile"]["warmup_s"] - by_name["defaults"]["warmup_s"]
     return numbers
 
 
+def publish_bench(step, settings):
+    """bench.py's JSON so far into OUT; ppo-fast's configurations are added to ppo-speed's, each
+    with its SPS over the defaults' (bench.py's own ratios are to the first of its run)."""
+    saved = read_json(bench_json(settings, step.name), settings)
+    if saved is None:
+        return
+    if step.name == "ppo-fast":
+        earlier = read_json(bench_json(settings, "ppo-speed"), settings)
+        if earlier is not None:
+            defaults = [r for r in earlier["results"] if r["config"] == "defaults" and "error" not in r]
+            for result in saved["results"]:
+                if defaults and "error" not in result:
+                    result["sps_median_over_defaults"] = result["sps_median"] / defaults[0]["sps_median"]
+            saved = dict(earlier, configs={**earlier["configs"], **saved["configs"]},
+                         results=earlier["results"] + saved["results"])
+    write_json(os.path.join(settings.out, step.output), saved)
+
+
 NUMBERS = {"preflight": preflight_numbers, "cuda-tests": pytest_numbers, "ppo-speed": bench_numbers,
-           "ppg-speed": bench_numbers, "impala-speed": bench_numbers}
+           "ppg-speed": bench_numbers, "ppo-fast": bench_numbers, "impala-speed": bench_numbers}
 
 
 def run_command_step(step, timeout_s, settings, inject):
-    entry = run_process(failing_command(settings) if inject else step.command, timeout_s, settings)
+    publish = None
+    if step.output is not None:
+        publish = functools.partial(publish_bench, step, settings)
+    command = failing_command(settings) if inject else step.command
+    entry = run_process(command, timeout_s, settings, step.environment, publish)
     if step.name in NUMBERS:
         entry.update(NUMBERS[step.name](step, settings, entry))
-    if entry["status"] == "ok":
+    if entry["status"] == "ok" and entry.get("tests", True):  # no test outcomes: the output says why
         del entry["output_tail"]
     return entry
 
@@ -302,20 +431,21 @@ def run_command_step(step, timeout_s, settings, inject):
 # ---- learning and results ----
 def learning_steps(settings, timeout_s):
     """Steps per run: two runs share the GPU and the cores, so each is given half the speed PPO
-    measured at the defaults, over the time left after start-up and evaluations (60 s), with a fifth
-    to spare."""
+    measured at the defaults, over the budget less start-up and evaluations, with a fifth to
+    spare."""
     if settings.tiny:
         return 32
-    saved = read_json(os.path.join(settings.out, "ppo.json"), settings) or {"results": []}
+    saved = read_json(bench_json(settings, "ppo-speed"), settings) or {"results": []}
     speeds = [r["sps_overall"] for r in saved["results"] if r["config"] == "defaults" and "error" not in r]
     if not speeds:
         return LEARN_STEPS_WITHOUT_SPEED
-    steps = int(speeds[0] / 2 * max(timeout_s - 60, 0) * 0.8) // PPO_ITERATION * PPO_ITERATION
+    steps = int(speeds[0] / 2 * max(timeout_s - LEARNING_STARTUP_S, 0) * 0.8) // PPO_ITERATION * PPO_ITERATION
     return max(steps, 2 * PPO_ITERATION)
 
 
 def run_learning(step, timeout_s, settings, inject):
-    """PPO and PPG side by side, each its own process, console log and exit status."""
+    """PPO and PPG side by side, each its own process, console log and exit status; their metrics
+    packed into OUT as each run ends."""
     learn = os.path.join(settings.work, "learn")
     os.makedirs(learn, exist_ok=True)
     total = learning_steps(settings, timeout_s)
@@ -326,7 +456,7 @@ def run_learning(step, timeout_s, settings, inject):
         logs.append(open(os.path.join(learn, f"{names[-1]}.log"), "w"))
         print(f"== learning: {shlex.join(command)} > {logs[-1].name}", flush=True)
         processes.append(start(command, learn, logs[-1]))
-    stopped = wait_or_stop(processes, timeout_s, settings.grace_s)
+    stopped = wait_or_stop(processes, timeout_s, settings.grace_s, functools.partial(pack_learning_runs, settings))
     runs = {}
     for index, (name, process, log) in enumerate(zip(names, processes, logs)):
         log.close()
@@ -347,24 +477,32 @@ def run_learning(step, timeout_s, settings, inject):
     return {"status": status, "total_timesteps": total, "runs": runs}
 
 
-def run_results(step, timeout_s, settings, inject):
-    """results.py on the learning runs (figure and aggregate.md into OUT), then its on-track lines."""
+def results_commands(settings):
+    """results.py on the learning runs: the figure and aggregate table, then the on-track lines."""
     learn = os.path.join(settings.work, "learn")
     results_py = os.path.join(ROOT, "benchmarks", "results.py")
     figures = [settings.python, results_py, os.path.join(learn, "runs"), "--out", os.path.join(learn, "results")]
     if settings.tiny:  # fewer bootstrap resamples than the 50,000 of rliable's default
         figures += ["--reps", "2000"]
+    return figures, [settings.python, results_py, os.path.join(learn, "runs"), "--on-track"]
+
+
+def run_results(step, timeout_s, settings, inject):
+    """results.py's figure and aggregate.md into OUT, its on-track lines into summary.json, all into
+    learning.tar.gz."""
+    learn = os.path.join(settings.work, "learn")
+    figures, on_track = results_commands(settings)
     end = time.time() + timeout_s
     entry = run_process(failing_command(settings) if inject else figures, timeout_s, settings)
     for path in glob.glob(os.path.join(learn, "results", "*_easy.png"))[:1] + \
             glob.glob(os.path.join(learn, "results", "aggregate.md")):
-        shutil.copy(path, settings.out)
+        copy_into(path, settings.out)
     if entry["status"] == "ok":
-        on_track = [settings.python, results_py, os.path.join(learn, "runs"), "--on-track"]
         tracked = run_process(on_track, max(end - time.time(), 1), settings)
         entry["on_track"] = tracked["output_tail"].splitlines()
         entry["status"] = tracked["status"]
         entry["output_tail"] = tracked["output_tail"]
+    pack_learning_runs(settings)
     if entry["status"] == "ok":
         del entry["output_tail"]
     return entry
@@ -374,32 +512,39 @@ RUNNERS = {"learning": run_learning, "results": run_results}
 
 
 def pack_learning_runs(settings):
-    """The learning runs' metrics, flags and console logs and results.py's outputs, as one file in
-    OUT."""
+    """The learning runs' metrics, flags and console logs and results.py's outputs so far, as one
+    file in OUT."""
     learn = os.path.join(settings.work, "learn")
-    if not os.path.isdir(learn):
-        return
-    with tarfile.open(os.path.join(settings.out, "learning.tar.gz"), "w:gz") as archive:
-        for pattern in ("runs/*/metrics.jsonl", "runs/*/args.json", "*.log", "results/*"):
-            for path in sorted(glob.glob(os.path.join(learn, pattern))):
-                archive.add(path, arcname=os.path.relpath(path, learn))
+
+    def pack(f):
+        with tarfile.open(fileobj=f, mode="w:gz") as archive:
+            for pattern in ("runs/*/metrics.jsonl", "runs/*/args.json", "*.log", "results/*"):
+                for path in sorted(glob.glob(os.path.join(learn, pattern))):
+                    archive.add(path, arcname=os.path.relpath(path, learn))
+
+    write_atomically(os.path.join(settings.out, "learning.tar.gz"), pack)
 
 
 # ---- the check ----
 def write_summary(settings, summary):
+    remove_leftovers(settings)
     summary["elapsed_s"] = round(time.time() - settings.started, 1)
     summary["files"] = sorted(os.listdir(settings.out))
-    path = os.path.join(settings.out, "summary.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(settings.out, "summary.json"), summary)
+
+
+def timeout_for(step, settings):
+    return min(step.budget_s, settings.left())
 
 
 def run_check(settings, steps, selected, fail_step, linked):
+    budgets = sum(step.budget_s for step in steps)
     summary = {"started": datetime.datetime.fromtimestamp(settings.started, datetime.timezone.utc).isoformat(),
-               "deadline_s": settings.deadline_s, "tiny": settings.tiny, "python": settings.python,
-               "libraries_linked": linked.split(), "steps": [],
-               "plan": [{"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s} for step in steps]}
+               "deadline_s": settings.deadline_s, "time_scale": settings.scale, "tiny": settings.tiny,
+               "python": settings.python, "libraries_linked": linked.split(), "budgets_s": round(budgets, 1),
+               "usable_s": round(settings.deadline_s - settings.reserve_s - SETUP_S * settings.scale, 1),
+               "steps": [], "plan": [{"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s}
+                                     for step in steps]}
     write_summary(settings, summary)  # from the start: a kill during the first step still leaves the plan
     done = {}
     for step in steps:
@@ -409,20 +554,18 @@ def run_check(settings, steps, selected, fail_step, linked):
             entry.update(status="skipped", reason=reason)
             print(f"== {step.name}: skipped: {reason}", flush=True)
         else:
-            left = settings.left()
-            timeout_s = left - step.leave_s if step.budget_s is None else min(step.budget_s, left)
-            entry["timeout_s"] = round(timeout_s)
-            print(f"== {step.name}: up to {timeout_s:.0f} s ({left:.0f} s left before the deadline)", flush=True)
+            timeout_s = timeout_for(step, settings)
+            entry["timeout_s"] = round(timeout_s, 1)
+            print(f"== {step.name}: up to {timeout_s:.0f} s ({settings.left():.0f} s left before the deadline)",
+                  flush=True)
             begin = time.time()
             runner = RUNNERS.get(step.name, run_command_step)
             entry.update(runner(step, timeout_s, settings, step.name == fail_step))
-            entry["seconds"] = round(time.time() - begin, 1)
+            entry["seconds"] = round(time.time() - begin, 2)
             print(f"== {step.name}: {entry['status']} after {entry['seconds']:.0f} s", flush=True)
         summary["steps"].append(entry)
         done[step.name] = entry
         write_summary(settings, summary)
-    pack_learning_runs(settings)
-    write_summary(settings, summary)
     print(f"== the GPU check after {summary['elapsed_s']:.0f} s of {settings.deadline_s:.0f}; "
           f"{os.path.join(settings.out, 'summary.json')}:")
     for entry in summary["steps"]:
@@ -450,12 +593,15 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu"),
                         help="the results folder (at most 8 files)")
     parser.add_argument("--work", default=None, help="a private folder for everything else (default: a new one)")
-    parser.add_argument("--deadline", type=float, default=float(os.environ.get("DEADLINE", 540)),
-                        help="seconds for the whole check, from --started (default: $DEADLINE or 540)")
+    parser.add_argument("--deadline", type=float, default=float(os.environ.get("DEADLINE", DEADLINE_S)),
+                        help=f"seconds for the whole check, from --started (default: $DEADLINE or {DEADLINE_S})")
     parser.add_argument("--started", type=float, default=None,
                         help="when the check started (Unix time; default: now)")
     parser.add_argument("--tiny", action="store_true", default=bool(os.environ.get("GPU_CHECK_TINY")),
-                        help="the CPU dry run: tiny flags, 1 s needs (default: $GPU_CHECK_TINY)")
+                        help="the CPU dry run: tiny flags (default: $GPU_CHECK_TINY)")
+    parser.add_argument("--time-scale", type=float, default=float(os.environ.get("GPU_CHECK_TIME_SCALE", 1)),
+                        help="multiplies every need, budget, the reserve and the grace (default: "
+                             "$GPU_CHECK_TIME_SCALE or 1)")
     parser.add_argument("--steps", default=os.environ.get("GPU_CHECK_STEPS", ""),
                         help="comma-separated steps to run; default ($GPU_CHECK_STEPS or empty): all")
     parser.add_argument("--fail-step", default=os.environ.get("GPU_CHECK_FAIL_STEP"),
@@ -470,14 +616,9 @@ def main(argv=None):
     started = args.started
     if started is None:
         started = time.time()
-    reserve_s = 15
-    grace_s = 10
-    if args.tiny:  # a CPU dry run of a 30 s deadline could not keep 15 s back
-        reserve_s = 5
-        grace_s = 3
     settings = Settings(python=os.environ.get("PYTHON", sys.executable), out=os.path.abspath(args.out), work=work,
-                        tiny=args.tiny, deadline_s=args.deadline, started=started, reserve_s=reserve_s,
-                        grace_s=grace_s)
+                        tiny=args.tiny, deadline_s=args.deadline, started=started, scale=args.time_scale,
+                        reserve_s=RESERVE_S * args.time_scale, grace_s=GRACE_S * args.time_scale)
     steps = plan(settings)
     names = [step.name for step in steps]
     selected = [name for name in args.steps.split(",") if name]

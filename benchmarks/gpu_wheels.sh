@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
-rm -rf .whl  # one version of each package: two would stop the whole install there
+rm -rf .whl  # one version of each package (two would stop the whole install there), no old SHA256SUMS
 mkdir -p .whl/lib
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
@@ -66,3 +66,8 @@ if [ "$bundle" -gt $((60 * 1048576)) ] || [ $((bundle + tree)) -gt $((64 * 10485
     echo "error: over the limits: the bundle at most 60 MiB, the bundle and the tree together at most 64 MiB" >&2
     exit 1
 fi
+# Written last, so that its presence means the bundle is whole: CHECK_WHEELS=1 gpu_bench.sh (and gpu_bench.sh itself,
+# before any step) verifies every file against it. A temporary file beside it, synced, then renamed over it.
+(cd .whl && find . -type f ! -name 'SHA256SUMS*' -printf '%P\n' | sort | xargs -d '\n' sha256sum > SHA256SUMS.tmp \
+    && sync SHA256SUMS.tmp && mv SHA256SUMS.tmp SHA256SUMS)
+echo "gpu_wheels.sh: .whl/SHA256SUMS lists $(wc -l < .whl/SHA256SUMS) files; check with: CHECK_WHEELS=1 bash benchmarks/gpu_bench.sh"

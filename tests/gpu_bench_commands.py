@@ -1,17 +1,59 @@
-"""The training commands benchmarks/gpu_bench.sh would run, as its dry run (DRY_RUN=1) lists them, each flag set
-parsed by its script's Args and checked by its check_args: one parser for tests/test_gpu_check.py and
-tests/test_speed.py."""
+"""The GPU check's dry runs, shared by tests/test_gpu_check.py and tests/test_speed.py: the training commands
+benchmarks/gpu_bench.sh would run, as its listing (DRY_RUN=1) gives them, each flag set parsed by its script's Args and
+checked by its check_args; and one CPU dry run of the check itself at tiny flags, for the session."""
 import functools
 import importlib
+import json
 import os
 import shlex
 import subprocess
+import sys
+import types
 
+import pytest
 import tyro
 from conftest import ROOT
 
+# The steps the shared dry run runs: the most valuable ones, whose processes the suite does not run elsewhere
+# (ppo-fast, impala-speed, nccl and cuda-tests are covered by the listing's parse, test_speed.py's harness test and
+# tests/test_gpu_check.py's scaled run and cut pytest).
+DRY_RUN_STEPS = "preflight,ppo-speed,ppg-speed,learning,results"
 
-@functools.cache  # one dry run per setting for the session
+
+def gpu_bench(out, tmp_dir, **environment):
+    """The one command, as on the GPU machine but with GPU_CHECK_TINY=1 and no carried wheels (this machine has every
+    package): (the finished process, summary.json, the files in OUT, gpu_bench.log)."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_TINY": "1", "TMPDIR": str(tmp_dir),
+           "WHEELS": "none", **environment}
+    finished = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    log = (out / "gpu_bench.log").read_text()
+    return finished, summary, sorted(os.listdir(out)), log
+
+
+DRY_RUNS = {}  # the session's one dry run: a fixture imported into two test modules is two fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_gpu_check(tmp_path_factory):
+    """One CPU dry run of the check's first five steps, for every test that reads it (see tiny_dry_run)."""
+    if "tiny" not in DRY_RUNS:
+        DRY_RUNS["tiny"] = tiny_dry_run(tmp_path_factory.mktemp("gpu_check"))
+    return DRY_RUNS["tiny"]
+
+
+def tiny_dry_run(tmp_dir):
+    """The dry run behind tiny_gpu_check; the deadline and every budget tripled (a scaled deadline), since tiny runs on
+    a shared 2-core machine can take most of a GPU step's budget."""
+    out = tmp_dir / "out"
+    finished, summary, files, log = gpu_bench(out, tmp_dir, GPU_CHECK_STEPS=DRY_RUN_STEPS, GPU_CHECK_TIME_SCALE="3",
+                                              DEADLINE=str(3 * 540))
+    steps = {step["name"]: step for step in summary["steps"]}
+    return types.SimpleNamespace(finished=finished, summary=summary, steps=steps, files=files, log=log, out=out)
+
+
+@functools.cache  # one listing per setting for the session
 def parsed_commands(tiny):
     """(the dry run's listing, [(script, flags)] of its bench.py configurations, learning runs and NCCL check), at the
     real flags (tiny "") or the CPU dry run's (tiny "1")."""

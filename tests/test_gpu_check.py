@@ -1,98 +1,240 @@
-"""The GPU check (benchmarks/gpu_bench.sh -> gpu_check.py, gpu_preflight.py, bench.py) dry-run on the CPU at tiny
-flags: it keeps a 30 s deadline, skips in the order of value, reports a failing step and still runs the next one,
-flags a failed learning run, and leaves its summary and at most 8 files. The real run needs the lent GPU machine."""
+"""The GPU check (benchmarks/gpu_bench.sh -> gpu_check.py, gpu_preflight.py, gpu_pytest_log.py, bench.py) on the CPU:
+its budgets add up in the order of value; one dry run at tiny flags (shared with tests/test_speed.py) runs the first
+five steps into at most 8 whole files; the whole table at a scaled deadline gives every step its budget or "no time",
+injects a failure, flags a failed and a stopped learning run and packs the runs as they end; a cut pytest still reports
+the tests that ran; .whl/ is checked before anything runs. The real run needs the lent GPU machine."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 
+import conftest
 import pytest
 from conftest import ROOT
-from gpu_bench_commands import parsed_commands
+from gpu_bench_commands import gpu_bench, parsed_commands, tiny_gpu_check  # noqa: F401 -- a session fixture
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
 import gpu_check  # noqa: E402
 
-ORDER = ["preflight", "cuda-tests", "ppo-speed", "ppg-speed", "impala-speed", "nccl", "learning", "results"]
+ORDER = ["preflight", "ppo-speed", "ppg-speed", "learning", "results", "ppo-fast", "impala-speed", "nccl",
+         "cuda-tests"]
 
 
-def gpu_bench(tmp_path, **environment):
-    """The one command, as on the GPU machine but with GPU_CHECK_TINY=1 and no carried wheels."""
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_TINY": "1", "TMPDIR": str(tmp_path),
-           "WHEELS": str(tmp_path / "no-wheels"), **environment}
-    finished = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
-    summary = json.loads((out / "summary.json").read_text())
-    log = (out / "gpu_bench.log").read_text()
-    return finished, summary, sorted(os.listdir(out)), log
+def settings_in(tmp_path, **changes):
+    """The check's settings with OUT and the work folder in tmp_path."""
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "work").mkdir(exist_ok=True)
+    fields = dict(python=sys.executable, out=str(tmp_path / "out"), work=str(tmp_path / "work"), tiny=True,
+                  deadline_s=gpu_check.DEADLINE_S, started=gpu_check.time.time())
+    return gpu_check.Settings(**{**fields, **changes})
 
 
-def test_a_30_s_deadline_skips_in_order_and_a_failing_step_does_not_stop_the_rest(tmp_path):
-    finished, summary, files, log = gpu_bench(tmp_path, DEADLINE="30", GPU_CHECK_FAIL_STEP="cuda-tests")
-    steps = summary["steps"]
-    assert [step["name"] for step in steps] == ORDER
-    assert finished.returncode == 1, finished.stdout[-2000:]  # steps failed, and the exit status says so
-    preflight, cuda_tests, ppo = steps[:3]
+def test_the_budgets_add_up_in_the_order_of_value(tmp_path):
+    """At the default deadline every step gets its whole budget: the budgets, gpu_bench.sh's set-up and the reserve fit
+    540 s; speed at the defaults, PPG's phases and learning come first; the docstring's and docs' tables are TABLE."""
+    steps = gpu_check.plan(settings_in(tmp_path))
+    assert [step.name for step in steps] == ORDER
+    usable = gpu_check.DEADLINE_S - gpu_check.SETUP_S - gpu_check.RESERVE_S
+    assert sum(step.budget_s for step in steps) <= usable
+    assert all(0 < step.need_s <= step.budget_s for step in steps)
+    learning = steps[ORDER.index("learning")]
+    assert learning.need_s >= 150 and learning.budget_s - gpu_check.LEARNING_STARTUP_S >= 100  # a share up front
+    documented = re.findall(r"^  ([a-z-]+) +(\d+) +(\d+)  ", gpu_check.__doc__, re.MULTILINE)
+    assert [(name, int(need), int(budget)) for name, need, budget in documented] == gpu_check.TABLE
+    assert f"sum                    {sum(budget for _, _, budget in gpu_check.TABLE)}  = DEADLINE_S 540" in \
+        gpu_check.__doc__
+    with open(os.path.join(ROOT, "docs", "speed.md")) as f:
+        rows = re.findall(r"^\| ([a-z-]+) \| (\d+) / (\d+) \|", f.read(), re.MULTILINE)
+    assert [(name, int(need), int(budget)) for name, need, budget in rows] == gpu_check.TABLE
+
+
+def test_the_dry_run_reports_every_step_into_at_most_8_whole_files(tiny_gpu_check):  # noqa: F811
+    run = tiny_gpu_check
+    assert [step["name"] for step in run.summary["steps"]] == ORDER
+    # Only the preflight fails (no CUDA here), and the exit status says so.
+    assert [name for name, step in run.steps.items() if step["status"] not in ("ok", "skipped")] == ["preflight"]
+    assert run.finished.returncode == 1, run.finished.stdout[-3000:]
     # On this CPU the preflight finds everything but CUDA, says so in one line, and the dry run goes on.
+    preflight = run.steps["preflight"]
     assert preflight["status"] == "failed" and preflight["exit_code"] == 2
     assert preflight["missing"].startswith("missing: CUDA:") and ";" not in preflight["missing"]
     assert preflight["report"]["procgen_step"] == "ok" and preflight["report"]["packages"]["procgen-mirror"]
-    assert "preflight: missing: CUDA:" in log
-    # The injected failure is reported with its output, and the next step still started.
-    assert cuda_tests["status"] == "failed" and "failure injected" in cuda_tests["output_tail"]
-    assert ppo["status"] != "skipped" and ppo["timeout_s"] <= 30
-    # Every step that ran was given at most what was left; once the deadline skips one, it skips all later ones.
-    skipped = [step["status"] == "skipped" for step in steps]
-    first_skipped = skipped.index(True)
-    assert first_skipped >= 3 and all(skipped[first_skipped:])
-    assert all(step["reason"].startswith("deadline:") for step in steps[first_skipped:ORDER.index("learning") + 1])
-    assert "needs 150 s" in steps[ORDER.index("learning")]["reason"]
-    assert steps[-1]["reason"] == "no learning runs"
-    assert summary["elapsed_s"] < 30 + 10  # the deadline, plus what starting bash and Python costs
-    assert "summary.json" in files and "gpu_bench.log" in files and len(files) <= 8
-
-
-def test_the_learning_step_runs_its_runs_and_results_into_at_most_8_files(tmp_path):
-    finished, summary, files, _ = gpu_bench(tmp_path, GPU_CHECK_STEPS="learning,results")
-    steps = {step["name"]: step for step in summary["steps"]}
-    assert [step["name"] for step in summary["steps"]] == ORDER
-    assert all(steps[name]["reason"] == "not selected (--steps)" for name in ORDER[:6])
-    learning = steps["learning"]
-    assert learning["status"] == "ok", finished.stdout[-3000:]
-    assert {name: run["status"] for name, run in learning["runs"].items()} == {"ppo_procgen": "ok", "ppg_procgen": "ok"}
-    assert steps["results"]["status"] == "ok" and steps["results"]["on_track"]
-    assert finished.returncode == 0
-    assert set(files) == {"gpu_bench.log", "summary.json", "learning.tar.gz", "bigfish_easy.png", "aggregate.md"}
-    with tarfile.open(tmp_path / "out" / "learning.tar.gz") as archive:
+    assert "preflight: missing: CUDA:" in run.log
+    for name in ("ppo-speed", "ppg-speed"):
+        assert run.steps[name]["status"] == "ok" and run.steps[name]["results"][0]["sps_median"] > 0
+    learning = run.steps["learning"]
+    assert learning["status"] == "ok", run.finished.stdout[-3000:]
+    assert {name: r["status"] for name, r in learning["runs"].items()} == {"ppo_procgen": "ok", "ppg_procgen": "ok"}
+    assert learning["seconds"] <= learning["budget_s"]
+    assert run.steps["results"]["status"] == "ok" and run.steps["results"]["on_track"]
+    assert all(run.steps[name]["reason"] == "not selected (--steps)" for name in ORDER[5:])
+    assert run.files == sorted(["gpu_bench.log", "summary.json", "ppo.json", "ppg.json", "learning.tar.gz",
+                                "bigfish_easy.png", "aggregate.md"])
+    assert run.summary["files"] == run.files  # its last rewrite lists them all
+    with tarfile.open(run.out / "learning.tar.gz") as archive:
         names = archive.getnames()
     assert sum(name.endswith("/metrics.jsonl") for name in names) == 2
     assert {"ppo_procgen.log", "ppg_procgen.log", "results/aggregate.md"} <= set(names)
 
 
-def test_a_failed_or_stopped_learning_run_is_flagged(tmp_path, monkeypatch):
-    """Each run's own exit status, where a bare `wait` would have reported none: a run that fails is flagged with its
-    output, a run past the step's time is stopped (SIGTERM, then SIGKILL) and flagged as such."""
-    commands = {"ppo_procgen.py": [sys.executable, "-c", "import time; print('playing', flush=True); time.sleep(60)"],
-                "ppg_procgen.py": [sys.executable, "-c", "print('error: no games'); raise SystemExit(3)"]}
-    monkeypatch.setattr(gpu_check, "learning_command", lambda settings, script, steps: commands[script])
-    settings = gpu_check.Settings(python=sys.executable, out=str(tmp_path), work=str(tmp_path), tiny=True,
-                                  deadline_s=60, started=0, reserve_s=0, grace_s=1)
-    entry = gpu_check.run_learning(None, 3, settings, inject=False)
-    assert entry["status"] == "failed"
-    assert entry["runs"]["ppg_procgen"]["status"] == "failed" and entry["runs"]["ppg_procgen"]["exit_code"] == 3
-    assert "error: no games" in entry["runs"]["ppg_procgen"]["output_tail"]
-    assert entry["runs"]["ppo_procgen"]["status"] == "stopped at the deadline"
-    assert entry["runs"]["ppo_procgen"]["last_line"] == "playing"
+def learning_runs(out):
+    """Stand-ins for the learning runs: PPG fails at once; PPO reports whether learning.tar.gz was in OUT a moment
+    later (packed as PPG's run ended), then plays on past the step's budget."""
+    ppo = ("import os, time; time.sleep(1); "
+           f"print('packed' if os.path.exists({str(out / 'learning.tar.gz')!r}) else 'not packed', flush=True); "
+           "time.sleep(60)")
+    return {"ppo_procgen.py": [sys.executable, "-c", ppo],
+            "ppg_procgen.py": [sys.executable, "-c", "print('error: no games'); raise SystemExit(3)"]}
+
+
+def test_a_scaled_deadline_gives_every_step_its_budget_or_no_time(tmp_path, monkeypatch, capsys):
+    """The whole table at 3 % of its time, each command a stand-in, the deadline short of the table (as when the device
+    tool has less than 600 s left): ppo-speed plays past its budget and is cut with its JSON so far in OUT, ppg-speed's
+    injected failure does not stop learning, learning's two runs are flagged (failed, stopped) within its budget and
+    packed as they end, and each later step is skipped with the seconds it needed. A kill's leftover .tmp is gone."""
+    scale = 0.03
+    settings = settings_in(tmp_path, scale=scale, reserve_s=gpu_check.RESERVE_S * scale,
+                           grace_s=gpu_check.GRACE_S * scale, deadline_s=scale * (50 + 170 + 15 + 10))
+    out = tmp_path / "out"
+    (out / "summary.json.1234.tmp").write_text("{")  # what a kill mid-write would leave
+    bench_so_far = json.dumps({"configs": {}, "results": [{"config": "defaults", "sps_median": 1.0}]})
+    ppo_speed = (f"open({str(tmp_path / 'work' / 'ppo-speed.json')!r}, 'w').write({bench_so_far!r}); "
+                 "import time; time.sleep(60)")
+    steps = []
+    for step in gpu_check.plan(settings):
+        if step.command is not None:
+            command = [sys.executable, "-c", ppo_speed] if step.name == "ppo-speed" else ["true"]
+            step = gpu_check.dataclasses.replace(step, command=command)
+        steps.append(step)
+    runs = learning_runs(out)
+
+    def stand_in(settings, script, total_timesteps):
+        return runs[script]
+
+    monkeypatch.setattr(gpu_check, "learning_command", stand_in)
+    assert gpu_check.run_check(settings, steps, [], "ppg-speed", "") == 1
+    summary = json.loads((out / "summary.json").read_text())
+    entries = {entry["name"]: entry for entry in summary["steps"]}
+    assert [entry["name"] for entry in summary["steps"]] == ORDER
+    assert entries["preflight"]["status"] == "ok"
+    assert entries["ppo-speed"]["status"] == "timeout" and entries["ppo-speed"]["results"][0]["sps_median"] == 1.0
+    assert json.loads((out / "ppo.json").read_text())["results"][0]["config"] == "defaults"
+    assert entries["ppg-speed"]["status"] == "failed" and "failure injected" in entries["ppg-speed"]["output_tail"]
+    learning = entries["learning"]
+    assert learning["timeout_s"] == pytest.approx(170 * scale) and learning["seconds"] <= 170 * scale + 0.5
+    assert learning["status"] == "failed"
+    assert learning["runs"]["ppg_procgen"]["status"] == "failed" and learning["runs"]["ppg_procgen"]["exit_code"] == 3
+    assert "error: no games" in learning["runs"]["ppg_procgen"]["output_tail"]
+    assert learning["runs"]["ppo_procgen"] == {"exit_code": learning["runs"]["ppo_procgen"]["exit_code"],
+                                               "last_line": "packed", "status": "stopped at the deadline"}
+    for name in ORDER[ORDER.index("results"):]:
+        need = entries[name]["need_s"]
+        assert entries[name]["status"] == "skipped", entries[name]
+        assert re.fullmatch(rf"no time: \d+\.\d s left, needs {need:.1f} s", entries[name]["reason"]), entries[name]
+    with tarfile.open(out / "learning.tar.gz") as archive:
+        assert {"ppo_procgen.log", "ppg_procgen.log"} <= set(archive.getnames())
+    assert sorted(os.listdir(out)) == ["learning.tar.gz", "ppo.json", "summary.json"] == summary["files"]
+    assert "== ppg-speed: failed" in capsys.readouterr().out
+
+
+def test_a_cut_pytest_still_reports_the_tests_that_ran(tmp_path):
+    """The cuda-tests step's command on four tests: one passes, one skips, the third kills the step's whole process
+    group (as a cut does) once those two are logged, the fourth never ends. No closing line, yet the counts are there."""
+    settings = settings_in(tmp_path)
+    environment = gpu_check.cuda_tests_environment(settings)
+    tests = tmp_path / "test_cut.py"
+    tests.write_text(f'''import os, signal, time
+import pytest
+pytestmark = pytest.mark.cuda
+def test_a_passes():
+    pass
+def test_b_skips():
+    pytest.skip("no GPU")
+def test_c_cuts_the_step():
+    for _ in range(600):
+        with open({environment["GPU_CHECK_TEST_LOG"]!r}) as f:
+            if f.read().count('"test"') >= 2:
+                break
+        time.sleep(0.1)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+def test_d_never_ends():
+    time.sleep(600)
+''')
+    step = gpu_check.Step("cuda-tests", 1, 120, gpu_check.cuda_tests_command(settings, files=[str(tests)]),
+                          environment=environment)
+    entry = gpu_check.run_command_step(step, 120, settings, inject=False)
+    assert entry["status"] == "failed" and entry["exit_code"] == -9
+    assert entry["tests"] == {"passed": 1, "skipped": 1} and entry["collected"] == 4
+    assert entry["pytest_finished"] is False and entry["failed_tests"] == []
+
+
+def test_the_cuda_tests_step_collects_only_the_files_that_hold_cuda_tests():
+    """Every file with a test that tests/conftest.py marks cuda, or that marks itself, and no other."""
+    marked = {f"tests/{stem}.py" for stem in conftest.NEEDS["cuda"]}
+    for name in os.listdir(os.path.join(ROOT, "tests")):
+        if name.startswith("test_") and name.endswith(".py") and name != "test_gpu_check.py":
+            with open(os.path.join(ROOT, "tests", name)) as f:
+                text = f.read()
+            if "pytest.mark.cuda" in text or 'pytest.param("cuda"' in text:
+                marked.add(f"tests/{name}")
+    assert sorted(gpu_check.CUDA_TEST_FILES) == sorted(marked)
+    listing, _ = parsed_commands("")
+    (pytest_line,) = [line for line in listing.splitlines() if " -m pytest " in line]
+    assert pytest_line.split(" -m cuda ")[1].split(" -n ")[0].split() == list(gpu_check.CUDA_TEST_FILES)
+    assert "-p gpu_pytest_log" in pytest_line
+
+
+def bundle(folder, names):
+    """A stand-in for gpu_wheels.sh's .whl/: the files, then their SHA256SUMS."""
+    (folder / "lib").mkdir(parents=True)
+    for name in names:
+        (folder / name).write_bytes(b"")
+    subprocess.run(["sha256sum", *names], cwd=folder, check=True, stdout=open(folder / "SHA256SUMS", "w"))
+
+
+def test_gpu_bench_checks_the_wheels_before_anything_runs(tmp_path):
+    """CHECK_WHEELS=1 here, and the run there before any step: one line naming gpu_wheels.sh when .whl/ is missing or
+    changed."""
+    def gpu_bench_sh(wheels, **environment):
+        env = {**os.environ, "WHEELS": str(wheels), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+               **environment}
+        return subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    missing = gpu_bench_sh(tmp_path / "nothing", CHECK_WHEELS="1")
+    assert missing.returncode == 1 and "benchmarks/gpu_wheels.sh" in missing.stdout
+    assert len(missing.stdout.splitlines()) == 1 and "no SHA256SUMS" in missing.stdout
+    bundle(tmp_path / "whl", ["a-1.0-py3-none-any.whl", "lib/libgpucheck.so.1"])
+    whole = gpu_bench_sh(tmp_path / "whl", CHECK_WHEELS="1")
+    assert whole.returncode == 0 and "is whole: the 2 files" in whole.stdout
+    (tmp_path / "whl" / "lib" / "libgpucheck.so.1").unlink()
+    broken = gpu_bench_sh(tmp_path / "whl", CHECK_WHEELS="1")
+    assert broken.returncode == 1 and "lib/libgpucheck.so.1" in broken.stdout and "gpu_wheels.sh" in broken.stdout
+    run = gpu_bench_sh(tmp_path / "nothing")  # the run itself: the same line, and no step
+    assert run.returncode == 1 and run.stdout == missing.stdout
+    assert os.listdir(tmp_path / "out") == ["gpu_bench.log"]
+
+
+def test_only_the_carried_libraries_the_machine_lacks_go_on_the_library_path(tmp_path):
+    """gpu_bench.sh links a carried library into its private folder only where the loader finds none (libc.so.6 is
+    on every machine; the other name on none)."""
+    bundle(tmp_path / "wheels", ["lib/libc.so.6", "lib/libgpucheck_absent.so.1"])
+    _, summary, files, log = gpu_bench(tmp_path / "out", tmp_path, WHEELS=str(tmp_path / "wheels"),
+                                       GPU_CHECK_STEPS="results")
+    assert summary["libraries_linked"] == ["libgpucheck_absent.so.1"]
+    assert "the machine lacks, on LD_LIBRARY_PATH: libgpucheck_absent.so.1\n" in log
+    assert [step["status"] for step in summary["steps"]] == ["skipped"] * len(ORDER)
+    assert files == ["gpu_bench.log", "summary.json"]
 
 
 def test_bench_keeps_the_configurations_that_ran_and_records_a_failed_ones_error(tmp_path):
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit, match="2 of 3 configurations failed: indivisible, unknown"):
         bench.main(["--script", "ppo_procgen.py", "--iterations", "1", "--warmup", "1", "--common",
-                    gpu_check.TINY_FLAGS["ppo_procgen.py"] + " --torch-threads 1",  # as in test_speed.py
+                    gpu_check.TINY_FLAGS["ppo_procgen.py"],  # one torch thread, as in test_speed.py
                     "--config", "indivisible=--num-minibatches 3",
                     "--config", "plain=", "--config", "unknown=--no-such-flag", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
@@ -127,18 +269,5 @@ def test_ppg_policy_and_auxiliary_phases_are_measured_apart():
 def test_every_step_command_parses_at_tiny_and_at_real_flags():
     for tiny in ("", "1"):
         listing, parsed = parsed_commands(tiny)
-        assert len(parsed) == 3 + 1 + 2 + 1 + 1, listing
+        assert len(parsed) == 1 + 1 + 2 + 2 + 1 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
         assert ("--env-id bigfish" in listing) == bool(tiny)
-
-
-def test_only_the_carried_libraries_the_machine_lacks_go_on_the_library_path(tmp_path):
-    """gpu_bench.sh links a carried library into its private folder only where the loader finds none (libc.so.6 is
-    on every machine; the other name on none)."""
-    (tmp_path / "wheels" / "lib").mkdir(parents=True)
-    for name in ("libc.so.6", "libgpucheck_absent.so.1"):
-        (tmp_path / "wheels" / "lib" / name).write_bytes(b"")
-    _, summary, files, log = gpu_bench(tmp_path, WHEELS=str(tmp_path / "wheels"), GPU_CHECK_STEPS="results")
-    assert summary["libraries_linked"] == ["libgpucheck_absent.so.1"]
-    assert "the machine lacks, on LD_LIBRARY_PATH: libgpucheck_absent.so.1\n" in log
-    assert [step["status"] for step in summary["steps"]] == ["skipped"] * len(ORDER)
-    assert files == ["gpu_bench.log", "summary.json"]
