@@ -263,7 +263,7 @@ def graded(tmp_path_factory):
     with open(os.path.join(out, "grades.csv")) as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
     return {"results": results, "rows": rows, "reports": reports, "seconds": seconds, "out": out,
-            "stdout": result.stdout + result.stderr}
+            "stdout": result.stdout + result.stderr, "repository": repository, "folder": folder}
 
 
 def cases(graded, student, function="compute_gae"):
@@ -298,6 +298,24 @@ def test_patching_the_grader_earns_nothing_and_the_victim_graded_after_it_keeps_
     victim = graded["results"]["z_victim"]["exercises"]["gae"]["cases"]
     assert all(c["passed"] for c in victim if not c["item"].startswith("compute_gae"))  # its own honest parts
     assert points(graded, "z_victim") == points(graded, "a_patcher")  # the same wrong code, the same grade
+
+
+def test_the_victim_graded_alone_gets_the_grade_it_got_after_the_attackers(graded):
+    """No grade depends on the batch's order or company: `grade` on the victim alone, same secret, same name."""
+    alone = os.path.join(graded["out"], "..", "z_victim_alone.json")
+    command = [sys.executable, os.path.join(graded["repository"], "exercises", "instructor.py"), "grade", "gae",
+               os.path.join(graded["folder"], "z_victim", "ppo_procgen.py"), "--student", "z_victim", "--json",
+               alone]
+    environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env=dict(environment, GRADER_SECRET=SECRET))
+    assert result.returncode == 1, result.stdout + result.stderr  # a wrong compute_gae: not full marks
+    with open(alone) as f:
+        single = json.load(f)
+    batch = graded["results"]["z_victim"]
+    assert single["seed"] == batch["seed"] and single["points"] == batch["points"]
+    assert [c["passed"] for c in single["exercises"]["gae"]["cases"]] == [
+        c["passed"] for c in batch["exercises"]["gae"]["cases"]]
 
 
 def test_no_exit_hook_or_daemon_rewrites_the_csv(graded):
