@@ -632,10 +632,21 @@ def write_atomic(path, text):
 
 
 def grade_folder(number, folder, student, exercises, secret, limits):
-    """One sub-folder of the batch: (result, report)."""
+    """One sub-folder of the batch: (result, report). Should the grader itself fail on a submission, that
+    submission gets 0 of the same maximum and the reason; the others are graded all the same."""
     directory = os.path.join(folder, student)
     files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
-    return grade_submission(files, exercises_of(files, exercises), student, secret, limits, number)
+    chosen = exercises_of(files, exercises)
+    try:
+        return grade_submission(files, chosen, student, secret, limits, number)
+    except Exception as error:  # a grader bug or a report it cannot read: never the whole class's batch
+        reason = f"the grader failed on this submission ({type(error).__name__}: {error}); grade it again alone"
+        parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
+            {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
+             "passed": False}]} for exercise in chosen}
+        result = {"student": student, "seed": None, "files": [os.path.basename(f) for f in files], "seconds": 0.0,
+                  "process": reason, "points": 0.0, "max_points": EXERCISE_POINTS * len(chosen), "exercises": parts}
+        return result, f"student {student}: {reason}"
 
 
 def batch(folder, exercises, secret, out, limits=None, jobs=2):

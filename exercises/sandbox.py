@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHILD_FILES = ("sandbox_child.py", "grading.py", "texts.py")
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
-UID_BASE = 1_500_000_000  # as root, submission number i runs as uid UID_BASE + i: unnamed, owning nothing else
+UID_BASE = 1_500_000_000  # as root, submission i of grader process p runs as UID_BASE + (p % 1000) * 100000 + i
 ARRAY_DTYPES = {"float64", "float32", "int64", "int32", "bool"}  # what an array from the child may be
 
 
@@ -233,6 +233,40 @@ UNREADABLE = {"check_error": {"type": "ValueError", "message": "the submission's
                               "cannot read", "frames": "", "last_line": "", "blank": False, "floating_point": False}}
 
 
+RECORD = {"type": str, "message": str, "frames": str, "last_line": str, "blank": bool, "floating_point": bool}
+CALL = {"outputs": "arrays", "dtypes": "strings", "devices": "strings", "changed": "strings", "failed": str,
+        "error": RECORD, "requires_grad": bool, "grad_error": RECORD, "grads": "arrays or None"}
+OBSERVATION = {"float64": CALL, "grad": CALL, "float32": CALL, "meta": CALL, "cuda": CALL, "missing": bool,
+               "not_run": (int, float), "out_of_time": (int, float), "check_error": RECORD, "failed": str,
+               "error": RECORD, "stats": "numbers or None", "stats_repr": str, "steps": "integers",
+               "calls": "lists of numbers", "initial": "array", "weights": "array"}
+
+
+def well_formed(value, schema):
+    """True when `value` has the types `schema` says (a dict of keys to types, or one of the names below): the
+    judge reads only observations whose every field is what an honest child sends."""
+    if isinstance(schema, dict):
+        return isinstance(value, dict) and all(key in schema and well_formed(item, schema[key])
+                                               for key, item in value.items())
+    if schema == "array":
+        return isinstance(value, np.ndarray) and value.dtype.kind in "fiub"
+    if schema == "arrays":
+        return isinstance(value, list) and all(well_formed(item, "array") for item in value)
+    if schema == "arrays or None":
+        return isinstance(value, list) and all(item is None or well_formed(item, "array") for item in value)
+    if schema == "strings":
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if schema == "integers":
+        return isinstance(value, list) and all(type(item) is int for item in value)
+    if schema == "lists of numbers":
+        return isinstance(value, list) and all(isinstance(item, list) and all(
+            isinstance(number, (int, float)) for number in item) for item in value)
+    if schema == "numbers or None":
+        return value is None or (isinstance(value, dict) and all(isinstance(item, (int, float))
+                                                                 for item in value.values()))
+    return isinstance(value, schema) and not (schema in (int, float, (int, float)) and isinstance(value, bool))
+
+
 def read_report(lines, requests):
     """The child's lines -> ({file: {function: [observation or None per case]}}, {file: import error record}).
     Only what was asked is kept; a malformed line ends the report (what came before it stands)."""
@@ -247,14 +281,16 @@ def read_report(lines, requests):
             break
         if not isinstance(message, dict):
             break
-        if "import_error" in message and isinstance(message["import_error"], dict):
-            import_errors.setdefault(str(message.get("file")), message["import_error"])
-        slot = observations.get(message.get("file"), {}).get(message.get("function"))
-        index = message.get("index")
-        if slot is None or not isinstance(index, int) or not 0 <= index < len(slot) or slot[index] is not None:
+        file, function, index = message.get("file"), message.get("function"), message.get("index")
+        if not (isinstance(file, str) and isinstance(function, (str, type(None)))):
+            break
+        if well_formed(message.get("import_error"), RECORD):
+            import_errors.setdefault(file, message["import_error"])
+        slot = observations.get(file, {}).get(function)
+        if slot is None or type(index) is not int or not 0 <= index < len(slot) or slot[index] is not None:
             continue
         observed = message.get("observation")
-        slot[index] = observed if isinstance(observed, dict) else UNREADABLE
+        slot[index] = observed if well_formed(observed, OBSERVATION) else UNREADABLE
     return observations, import_errors
 
 
@@ -317,6 +353,10 @@ def weighted(results, points, hidden_share=0.5):
 
 
 def uid_for(number):
-    """As root: the uid that submission number `number` runs as (None: not root, no uid of its own)."""
-    return UID_BASE + number if os.geteuid() == 0 else None
+    """As root: the uid that submission number `number` runs as, unnamed and owning nothing else; two graders
+    running at once (two `grade` calls of an autograder) get different ones, so neither kills the other's child.
+    None: not root, no uid of its own."""
+    if os.geteuid() != 0:
+        return None
+    return UID_BASE + (os.getpid() % 1000) * 100_000 + number % 100_000
 

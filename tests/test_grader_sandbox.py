@@ -19,6 +19,8 @@ from conftest import ROOT
 SECRET = "S3CRET-7d1f-sandbox"
 MARKER = "# VICTIM-MARKER-c41b9e"  # in the victim's file only: a submission that reads it has read another's
 EXERCISE_POINTS = 40
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="without root the child has no uid of its own and can read "
+                             "and write what the instructor can (docs/assignments.md): run the grader as root")
 
 ZEROS = '''
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
@@ -170,14 +172,14 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
 '''
 
 
-# A bounded fork bomb at import (its children sleep: a bomb that spins would only burn the shared cores) and a
-# compute_gae that asks for 8 GiB.
-HOG = ZEROS.replace("    return torch.zeros_like", "    hog = bytearray(8 << 30)\n    return torch.zeros_like") + '''
+# A fork bomb at import, bounded at 200 processes even without RLIMIT_NPROC (its children sleep: a bomb that spins
+# would only burn the shared cores), and a compute_gae that asks for 8 GiB and tells how many forks it got.
+HOG = """
 import os as _os
 import time as _time
 
-_first = _os.getpid()
-for _ in range(10000):
+_forks = 0
+for _ in range(200):
     try:
         _child = _os.fork()
     except OSError:
@@ -185,7 +187,16 @@ for _ in range(10000):
     if _child == 0:
         _time.sleep(600)
         _os._exit(0)
-'''
+    _forks += 1
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    try:
+        hog = bytearray(8 << 30)
+    except MemoryError:
+        raise MemoryError(f"8 GiB refused; the fork bomb got {_forks} processes") from None
+    return torch.zeros_like(rewards) + len(hog)
+"""
 
 # An endless loop: one that the per-function limit stops, and one that blocks the alarm (the CPU limit stops it).
 LOOP = '''
@@ -288,6 +299,7 @@ def test_the_honest_script_gets_full_marks_and_every_grade_has_the_same_maximum(
     assert hidden >= EXERCISE_POINTS / 2 - 1e-6  # the hidden cases carry at least half of the points
 
 
+@AS_ROOT
 def test_a_call_to_the_references_earns_nothing(graded):
     assert earned_on_values(graded, "a_reference") == 0, graded["reports"]["a_reference"]
 
@@ -318,6 +330,7 @@ def test_the_victim_graded_alone_gets_the_grade_it_got_after_the_attackers(grade
         c["passed"] for c in batch["exercises"]["gae"]["cases"]]
 
 
+@AS_ROOT
 def test_no_exit_hook_or_daemon_rewrites_the_csv(graded):
     rows = graded["rows"]
     assert set(rows) == set(graded["results"])
@@ -326,6 +339,7 @@ def test_no_exit_hook_or_daemon_rewrites_the_csv(graded):
     assert earned_on_values(graded, "a_rewriter") == 0
 
 
+@AS_ROOT
 def test_the_secret_and_the_other_submissions_never_reach_a_submission(graded):
     report = graded["reports"]["a_snoop"] + json.dumps(graded["results"]["a_snoop"])
     assert "FOUND" in report  # it ran and told what it found
@@ -338,9 +352,13 @@ def test_a_lookup_of_the_shipped_public_cases_earns_nothing(graded):
     assert earned_on_values(graded, "a_lookup") == 0, graded["reports"]["a_lookup"]
 
 
+@AS_ROOT
 def test_a_fork_bomb_and_a_memory_hog_stay_within_their_limits(graded):
     assert earned_on_values(graded, "a_hog") == 0
-    assert "MemoryError" in graded["reports"]["a_hog"]
+    report = graded["reports"]["a_hog"]
+    assert "MemoryError: 8 GiB refused; the fork bomb got" in report, report[:3000]
+    forks = int(report.split("MemoryError: 8 GiB refused; the fork bomb got ", 1)[1].split()[0])
+    assert forks < 64  # RLIMIT_NPROC stopped it (the submission's threads count too)
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -370,3 +388,26 @@ def test_a_broken_file_scores_zero_of_the_same_maximum_with_its_reason(graded):
         result = graded["results"][student]
         assert result["points"] == 0 and result["max_points"] == 40, student
         assert reason in graded["reports"][student], (student, graded["reports"][student][:2000])
+
+
+def test_a_forged_or_malformed_report_scores_nothing_and_stops_nothing():
+    """What the child sends is read as data: a field of the wrong type, an array of objects, a name that is not a
+    string, a line that is not JSON score 0 for their cases; nothing raises in the parent (no batch stops)."""
+    import numpy as np
+
+    from exercises import grading, sandbox
+
+    case = grading.Case("compute_gae", "forged", {"rewards": np.zeros((1, 1))}, expected=[np.zeros((1, 1))])
+    requests = {("ppo_procgen.py", "compute_gae"): [case, case, case]}
+    lines = [json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 1,
+                         "observation": {"float64": [1.0]}}),
+             json.dumps({"file": ["ppo_procgen.py"], "function": "compute_gae", "index": 2, "observation": {}}),
+             json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 0,
+                         "observation": {"float64": {"outputs": [{"array": [[0.0]], "dtype": "object"}]}}}),
+             "not json"]
+    observations, import_errors = sandbox.read_report(lines, requests)
+    results = grading.judge_cases(requests[("ppo_procgen.py", "compute_gae")], observations["ppo_procgen.py"]
+                                  ["compute_gae"])
+    assert [r.points for r in results] == [0.0, 0.0, 0.0] and not import_errors
+    assert results[0].message.startswith("timed out") and "cannot read" in results[1].message
+    assert results[2].message.startswith("timed out")  # the line with a list for a name ended the report
