@@ -11,8 +11,8 @@
           (killed at a limit, crashed) scores 0: "timed out".
 
 What a process sandbox does not do (docs/assignments.md): it is not a container. The child can read every file
-that its uid may read (as nobody: every world-readable file, the references' source among them, unless the
-repository is private), use the network, and claim anything about its own function in its report (a dtype, a
+that its uid may read (with a uid of its own: every world-readable file, the references' source among them,
+unless the repository is private), use the network, and claim anything about its own function in its report (a dtype, a
 step count): only values it could not compute without solving the exercise are out of its reach."""
 import ast
 import dataclasses
