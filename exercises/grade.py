@@ -7,7 +7,11 @@ exercises/make_starter.py, the blank filled in; several files: each is graded, a
 agree), by default the script of that name next to exercises/. The cases are data (exercises/cases/*.json: inputs,
 expected outputs and gradients, the answers of typical mistakes with their hints): no solution ships. Every case is
 scored; a failure does not stop the others. Exit status 0 when every case passes. The learning curve that follows
-is informational and gives no points: on the cue task it does not tell right from wrong (docs/assignments.md)."""
+is informational and gives no points: on the cue task it does not tell right from wrong (docs/assignments.md).
+
+This grader is the student's own check: it runs the student's code in its own process, so a student who tampers
+with it fools only themself. The instructor's grade is computed elsewhere, by the instructor's grader, with each
+submission in a sandboxed process of its own, on hidden cases too (they carry at least half of the points)."""
 import argparse
 import contextlib
 import dataclasses
@@ -32,6 +36,10 @@ from exercises import grading  # noqa: E402
 from exercises.cue_env import patch as patch_cue_env  # noqa: E402
 from exercises.grading import Failed, exercise_text, load_script  # noqa: E402,F401 (the graders' API)
 from exercises.texts import EXERCISES  # noqa: E402
+
+
+OWN_CHECK = ("your own check, in this process: the instructor's grade is computed elsewhere, in a sandbox, on hidden "
+             "cases too")
 
 
 def default_path(exercise):
@@ -155,7 +163,7 @@ def grade(exercise, paths=None, train=True, out=print, verbose=False, json_path=
     paths = [os.path.abspath(p) for p in (paths or [default_path(exercise)])]
     info = EXERCISES[exercise]
     out(f"exercise {exercise}: {info['title']}\n  {', '.join(info['functions'])} in "
-        f"{', '.join(paths)}\n  ({info['equation']})")
+        f"{', '.join(paths)}\n  ({info['equation']})\n  {OWN_CHECK}")
     start = time.time()
     modules = {}
     for path in paths:
@@ -174,7 +182,7 @@ def grade(exercise, paths=None, train=True, out=print, verbose=False, json_path=
         with open(json_path, "w") as f:
             json.dump({"exercise": exercise, "points": points, "max_points": total,
                        "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}, f, indent=1)
-    training_file = grading.training_file_of(exercise, modules)
+    training_file = grading.training_file_of(exercise, grading.names_of(modules))
     if train and passed and training_file is not None:
         out(f"(b) training {training_file} with them (informational: no points, it does not grade)")
         try:

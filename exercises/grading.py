@@ -6,7 +6,12 @@ same way by exercises/instructor.py from its references).
 Every case is run, a failure does not stop the rest, and each case is worth its points. Besides the values, every
 case checks the contract that the stubs state: the outputs have the inputs' dtype and device, and the inputs are
 never modified in place. The auxiliary phase of PPG is a procedure, so its cases run it on a tiny float64 agent
-(`TinyAgent`) whose rollouts the grader can recognise."""
+(`TinyAgent`) whose rollouts the grader can recognise.
+
+The engine has two halves: observe_* run the student's code and record what it did as plain data (outputs,
+dtypes, devices, inputs changed, gradients, errors); judge_* compare those records with a case's expectations.
+The public grader does both in one process; the instructor's (exercises/sandbox.py) observes in a child process
+per submission, which never sees an expectation, and judges in its own."""
 import contextlib
 import dataclasses
 import importlib.util
@@ -26,7 +31,10 @@ import traceback
 import numpy as np
 import torch
 
-from exercises.texts import EXERCISES
+try:
+    from exercises.texts import EXERCISES
+except ModuleNotFoundError:  # the sandbox's child: a copy of this file next to texts.py, in no package (sandbox.py)
+    from texts import EXERCISES
 
 RTOL, ATOL = 1e-5, 1e-6  # float64 inputs: a correct answer agrees to ~1e-12; float32 work inside still passes
 RTOL_32, ATOL_32 = 1e-3, 1e-4  # the float32 contract case
@@ -244,13 +252,24 @@ ERROR_HINTS = [
 ]
 
 
-def explain_error(error):
-    """The student's exception as a short report: the student's own frames (not torch's, not the grader's), the
-    error, and what it usually means. With a hint, torch's own advice (e.g. retain_graph=True) is cut off."""
+def error_record(error):
+    """An exception as plain data, made where it was raised: its type and message, the student's own last frames
+    (not torch's, not the grader's) and the last one's line, whether it is the stub's NotImplementedError or a
+    FloatingPointError."""
     frames = [frame for frame in traceback.extract_tb(error.__traceback__)
               if "site-packages" not in frame.filename and os.path.dirname(frame.filename) != HERE]
-    lines = ["".join(traceback.format_list(frames[-3:])).rstrip()] if frames else []
-    text = f"{type(error).__name__}: {error}"
+    return {"type": type(error).__name__, "message": str(error),
+            "frames": "".join(traceback.format_list(frames[-3:])).rstrip(),
+            "last_line": (frames[-1].line or "") if frames else "",
+            "blank": isinstance(error, NotImplementedError), "floating_point": isinstance(error, FloatingPointError)}
+
+
+def explain_error(error):
+    """The student's exception (or its error_record) as a short report: the student's own frames, the error, and
+    what it usually means. With a hint, torch's own advice (e.g. retain_graph=True) is cut off."""
+    record = error if isinstance(error, dict) else error_record(error)
+    lines = [record["frames"]] if record["frames"] else []
+    text = f"{record['type']}: {record['message']}"
     hint = next((hint for pattern, hint in ERROR_HINTS if re.search(pattern, text)), None)
     if hint is not None:
         text = text.split(". ", 1)[0].split("\n", 1)[0]
@@ -260,7 +279,12 @@ def explain_error(error):
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- running a function on a case
+# ---------------------------------------------------------------- the student's code on a case: what it did, as data
+# The engine is in two halves. OBSERVING runs the student's code and records what it did as plain data (outputs as
+# float64 arrays, their dtypes and devices, the inputs it changed, its gradients, the error it raised); JUDGING
+# compares those records with a case's expectations and writes the report. The public grader does both in one
+# process; the instructor's grader (exercises/sandbox.py) observes in a child process per submission and judges in
+# its own, so nothing the student's code does can reach the expectations, the secret or the grade.
 def as_tensors(inputs, dtype=torch.float64, device="cpu", grad=()):
     tensors = {}
     for key, value in inputs.items():
@@ -299,19 +323,6 @@ def numpy_of(items):
     return [item.detach().double().cpu().numpy() for item in items]
 
 
-def call(function, function_name, tensors):
-    """The student's function on `tensors`: its outputs, or Failed with the exercise's text or the error."""
-    try:
-        return outputs_of(function_name, function(**tensors))
-    except NotImplementedError as error:
-        raise Failed(f"{function_name} is still a blank (it raises NotImplementedError). The exercise:\n\n"
-                     + exercise_text(error))
-    except Failed:
-        raise
-    except Exception as error:
-        raise Failed(f"{function_name} raised an error:\n" + explain_error(error))
-
-
 def unchanged(before, after):
     """The names of the tensor inputs that the call changed in place."""
     changed = []
@@ -321,6 +332,92 @@ def unchanged(before, after):
     return changed
 
 
+def observe_call(function, function_name, inputs, dtype="float64", device="cpu", grad=()):
+    """The student's function on a case's inputs, as data: {"error"} (what it raised), {"failed"} (what it returned
+    is not the outputs' structure), or the outputs' dtypes and devices, their float64 values, the inputs it changed
+    in place and, for the inputs in `grad`, the gradient of its first output. On 'meta' only dtypes and devices."""
+    tensors = as_tensors(inputs, dtype=getattr(torch, dtype), device=device, grad=grad)
+    before = {key: value.clone() if torch.is_tensor(value) else value for key, value in tensors.items()}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = function(**tensors)
+    except Exception as error:
+        return {"error": error_record(error)}
+    try:
+        items = outputs_of(function_name, result)
+    except Failed as failure:
+        return {"failed": str(failure)}
+    observed = {"dtypes": [str(item.dtype) for item in items], "devices": [str(item.device) for item in items]}
+    if device == "meta":
+        return observed
+    observed["outputs"] = numpy_of(items)
+    observed["changed"] = unchanged(before, tensors) if not grad else []
+    if grad:
+        observed.update(observe_gradients(items[0], [tensors[key] for key in grad]))
+    return observed
+
+
+def observe_gradients(loss, wanted):
+    if not loss.requires_grad:
+        return {"requires_grad": False}
+    try:
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+    except RuntimeError as error:
+        return {"requires_grad": True, "grad_error": error_record(error)}
+    return {"requires_grad": True, "grads": [None if grad is None else grad.double().cpu().numpy() for grad in grads]}
+
+
+CALLS = {"float32": ("float32", "cpu"), "meta": ("float64", "meta"), "cuda": ("float64", "cuda")}
+
+
+def observe_case(module, case):
+    """Everything a case needs to know of the student's code, as data (the judge decides, judge_case)."""
+    function = getattr(module, case.function, None)
+    if function is None:
+        return {"missing": True}
+    try:
+        if case.kind == "phase":
+            return observe_phase(module, case)
+        if case.kind in CALLS:
+            dtype, device = CALLS[case.kind]
+            return {case.kind: observe_call(function, case.function, case.inputs, dtype, device)}
+        observed = {"float64": observe_call(function, case.function, case.inputs)}
+        if case.grads:
+            observed["grad"] = observe_call(function, case.function, case.inputs, grad=tuple(case.grads))
+        return observed
+    except Exception as error:  # the grader's own trouble with a strange answer: never stop the other cases
+        return {"check_error": error_record(error)}
+
+
+def observe_cases(module, cases, seconds=None, report=None):
+    """One observation per case, in order; with one thread (tiny tensors). A function that runs past `seconds`
+    (default CASE_SECONDS) on a case is not run on its later cases. `report(index, observation)`, if given, is
+    told each one as soon as it is made (the sandbox's child streams them, so a killed child keeps what it did)."""
+    seconds = CASE_SECONDS if seconds is None else seconds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        observations = []
+        out_of_time = set()
+        for index, case in enumerate(cases):
+            if case.function in out_of_time:
+                observed = {"not_run": seconds}
+            else:
+                try:
+                    with time_limit(seconds):
+                        observed = observe_case(module, case)
+                except OutOfTime:
+                    out_of_time.add(case.function)
+                    observed = {"out_of_time": seconds}
+            observations.append(observed)
+            if report is not None:
+                report(index, observed)
+        return observations
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- judging an observation against a case
 def find_mistake(case, got, others):
     """The typical mistake that reproduces the student's answer: on this case, and on most of the others."""
     best = None
@@ -334,13 +431,25 @@ def find_mistake(case, got, others):
     return best
 
 
-def check_values(function, case, others):
-    """A float64 case: values, dtype and device, inputs untouched, then the gradients. Raises Failed."""
+def raise_for_call(function_name, observed):
+    """Failed with the exercise's text (a blank), the student's error, or the structure's problem, if any."""
+    if "failed" in observed:
+        raise Failed(observed["failed"])
+    if "error" not in observed:
+        return
+    error = observed["error"]
+    if error["blank"]:
+        raise Failed(f"{function_name} is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                     + exercise_text(error["message"]))
+    raise Failed(f"{function_name} raised an error:\n" + explain_error(error))
+
+
+def judge_values(case, observed, others):
+    """A float64 case: values, dtype, inputs untouched, then the gradients. Raises Failed."""
     names = OUTPUT_NAMES.get(case.function, ["output"])
-    tensors = as_tensors(case.inputs)
-    before = {key: value.clone() if torch.is_tensor(value) else value for key, value in tensors.items()}
-    items = call(function, case.function, tensors)
-    got = numpy_of(items)
+    call = observed["float64"]
+    raise_for_call(case.function, call)
+    got = call["outputs"]
     problems = []
     if not close(got, case.expected):
         lines = [f"{case.function} differs from the definition:", *describe_inputs(case), "expected:"]
@@ -355,57 +464,54 @@ def check_values(function, case, others):
             lines.append("hint: no common mistake gives this answer; compare your code line by line with the "
                          "equation in the docstring, starting at the first difference.")
         problems.append("\n".join(lines))
-    wrong_dtype = [name for name, item in zip(names, items) if item.dtype != torch.float64]
-    if wrong_dtype:
-        problems.append(f"float64 inputs gave {', '.join(wrong_dtype)} in {items[0].dtype}.\nhint: outputs must have "
-                        "the inputs' dtype (create new tensors with torch.zeros_like(x) or dtype=x.dtype).")
-    changed = unchanged(before, tensors)
-    if changed:
-        problems.append(f"the input(s) {', '.join(changed)} were modified in place.\nhint: a caller "
+    wrong_dtype = [name for name, dtype in zip(names, call["dtypes"]) if dtype != "torch.float64"]
+    if wrong_dtype or len(call["dtypes"]) != len(got):
+        problems.append(f"float64 inputs gave {', '.join(wrong_dtype)} in {call['dtypes'][0]}.\nhint: outputs must "
+                        "have the inputs' dtype (create new tensors with torch.zeros_like(x) or dtype=x.dtype).")
+    if call["changed"]:
+        problems.append(f"the input(s) {', '.join(call['changed'])} were modified in place.\nhint: a caller "
                         "still needs them (train logs and reuses them). Build new tensors instead of x += ..., "
                         "x[i] = ... or "
                         "x.clamp_(...).")
     if problems:
         raise Failed("\n".join(problems))
-    check_gradients(function, case)
+    judge_gradients(case, observed.get("grad"))
 
 
-def check_gradients(function, case):
+def judge_gradients(case, observed):
     if not case.grads:
         return
-    tensors = as_tensors(case.inputs, grad=tuple(case.grads))
-    loss = call(function, case.function, tensors)[0]
-    if not loss.requires_grad:
+    raise_for_call(case.function, observed)
+    if not observed["requires_grad"]:
         raise Failed(f"{case.function}: the value is right but no gradient reaches {', '.join(case.grads)}: do not "
                      ".detach(), .item(), .numpy() or re-wrap the inputs with torch.tensor(...); build the result "
                      "from them with torch operations.")
-    wanted = [tensors[key] for key in case.grads]
-    try:
-        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
-    except RuntimeError as error:
-        raise Failed(f"{case.function}: the gradient cannot be computed:\n" + explain_error(error))
-    for key, grad in zip(case.grads, grads):
+    if "grad_error" in observed:
+        raise Failed(f"{case.function}: the gradient cannot be computed:\n" + explain_error(observed["grad_error"]))
+    if len(observed["grads"]) != len(case.grads):
+        raise Failed(f"{case.function}: expected {len(case.grads)} gradients, got {len(observed['grads'])}")
+    for key, grad in zip(case.grads, observed["grads"]):
         expected = case.grads[key]
-        got = np.zeros_like(expected) if grad is None else grad.double().numpy()
-        if not np.allclose(got, expected, rtol=1e-4, atol=1e-6):
+        got = np.zeros_like(expected) if grad is None else grad
+        if np.shape(got) != np.shape(expected) or not np.allclose(got, expected, rtol=1e-4, atol=1e-6):
             raise Failed(f"{case.function}: the value is right but its gradient with respect to {key} is not:\n"
                          f"{field('expected', expected, 8)}\n{field('got', got, 8)}\nhint: a term computed from "
                          "detached values, or a clamp/max that passes no gradient where it should.")
 
 
-def check_float32(function, case):
+def judge_float32(case, observed):
     """The same case with float32 inputs: float32 outputs, the values to float32 precision."""
     names = OUTPUT_NAMES.get(case.function, ["output"])
-    items = call(function, case.function, as_tensors(case.inputs, dtype=torch.float32))
-    wrong = [name for name, item in zip(names, items) if item.dtype != torch.float32]
+    raise_for_call(case.function, observed)
+    wrong = [name for name, dtype in zip(names, observed["dtypes"]) if dtype != "torch.float32"]
     if wrong:
-        raise Failed(f"float32 inputs gave {', '.join(wrong)} in {items[0].dtype}.\nhint: outputs must have "
+        raise Failed(f"float32 inputs gave {', '.join(wrong)} in {observed['dtypes'][0]}.\nhint: outputs must have "
                      "the inputs' dtype (torch.zeros_like(x), dtype=x.dtype; a Python float keeps a tensor's "
                      "dtype, a numpy "
                      "float64 array does not).")
-    if not close(numpy_of(items), case.expected, RTOL_32, ATOL_32):
+    if not close(observed["outputs"], case.expected, RTOL_32, ATOL_32):
         raise Failed("with float32 inputs the values differ from the float64 answer by more than float32 rounding "
-                     f"(rtol {RTOL_32}):\n" + first_difference(numpy_of(items), case.expected, names))
+                     f"(rtol {RTOL_32}):\n" + first_difference(observed["outputs"], case.expected, names))
 
 
 DEVICE_ERRORS = r"is not on the expected device|same device|Expected all tensors to be on"
@@ -413,91 +519,104 @@ SETITEM = re.compile(r"\]\s*([-+*/]|//)?=[^=]")  # buffer[t] = value: a value co
 
 
 def mixes_devices(error):
-    """True when the error says that the student's function put a tensor on another device than its inputs': a
-    CPU tensor met a non-scalar input, or an input's value was copied into a CPU buffer. `.cpu()`, `.tolist()` or
-    `.item()` on an input also fail on 'meta' but work on CUDA: no verdict."""
-    if re.search(DEVICE_ERRORS, str(error)):
+    """True when the error (its record, error_record) says that the student's function put a tensor on another
+    device than its inputs': a CPU tensor met a non-scalar input, or an input's value was copied into a CPU buffer.
+    `.cpu()`, `.tolist()` or `.item()` on an input also fail on 'meta' but work on CUDA: no verdict."""
+    if re.search(DEVICE_ERRORS, error["message"]):
         return True
-    if "Cannot copy out of meta" not in str(error):
+    if "Cannot copy out of meta" not in error["message"]:
         return False
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if "site-packages" not in frame.filename and os.path.dirname(frame.filename) != HERE]
-    return bool(frames) and bool(SETITEM.search(frames[-1].line or ""))
+    return bool(SETITEM.search(error["last_line"]))
 
 
-def check_meta(function, case):
+def judge_meta(case, observed):
     """The device contract without a GPU: inputs on PyTorch's 'meta' device (shapes and dtypes, no values), which
     mixes with CPU tensors as CUDA does (0-dim CPU scalars allowed, anything else an error). Outputs must be there
     too. An operation the meta device cannot run gives no verdict (the CUDA case, with a GPU, decides)."""
     names = OUTPUT_NAMES.get(case.function, ["output"])
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            result = function(**as_tensors(case.inputs, device="meta"))
-    except Exception as error:
+    if "error" in observed:
+        error = observed["error"]
         if mixes_devices(error):
             raise Failed(f"{case.function} mixes devices: its inputs were on another device than the CPU "
                          f"('meta'):\n{explain_error(error)}\nhint: create new tensors on the inputs' device "
                          "(torch.zeros_like(x), or device=x.device).")
-        if isinstance(error, NotImplementedError) and "Exercise" in str(error):
-            raise Failed(f"{case.function} is still a blank (it raises NotImplementedError). The exercise:\n\n"
-                         + exercise_text(error))
+        if error["blank"] and "Exercise" in error["message"]:
+            raise_for_call(case.function, observed)
         return
-    items = outputs_of(case.function, result)
-    wrong = [name for name, item in zip(names, items) if item.device.type != "meta"]
+    raise_for_call(case.function, observed)
+    wrong = [name for name, device in zip(names, observed["devices"]) if device != "meta"]
     if wrong:
-        raise Failed(f"inputs on another device ('meta') gave {', '.join(wrong)} on {items[0].device}.\nhint: "
-                     "outputs must be on the inputs' device (torch.zeros_like(x), or device=x.device; never a bare "
-                     "torch.zeros(shape) or torch.tensor(list)).")
+        raise Failed(f"inputs on another device ('meta') gave {', '.join(wrong)} on {observed['devices'][0]}.\n"
+                     "hint: outputs must be on the inputs' device (torch.zeros_like(x), or device=x.device; never a "
+                     "bare torch.zeros(shape) or torch.tensor(list)).")
 
 
-def check_cuda(function, case):
+def judge_cuda(case, observed):
     names = OUTPUT_NAMES.get(case.function, ["output"])
-    items = call(function, case.function, as_tensors(case.inputs, device="cuda"))
-    wrong = [name for name, item in zip(names, items) if item.device.type != "cuda"]
+    raise_for_call(case.function, observed)
+    wrong = [name for name, device in zip(names, observed["devices"]) if not device.startswith("cuda")]
     if wrong:
-        raise Failed(f"CUDA inputs gave {', '.join(wrong)} on {items[0].device}.\nhint: outputs must be on "
+        raise Failed(f"CUDA inputs gave {', '.join(wrong)} on {observed['devices'][0]}.\nhint: outputs must be on "
                      "the inputs' device (torch.zeros_like(x), or device=x.device).")
-    if not close(numpy_of(items), case.expected, RTOL_32, ATOL_32):
-        raise Failed("on CUDA the values differ:\n" + first_difference(numpy_of(items), case.expected, names))
+    if not close(observed["outputs"], case.expected, RTOL_32, ATOL_32):
+        raise Failed("on CUDA the values differ:\n" + first_difference(observed["outputs"], case.expected, names))
 
 
-def student_outputs(function, cases):
-    """The student's float64 answers on every case it runs on, to tell apart mistakes that agree on one case."""
-    answers = []
-    for case in cases:
-        if case.kind != "values":
-            continue
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                answers.append((case, numpy_of(outputs_of(case.function, function(**as_tensors(case.inputs))))))
-        except Exception:
-            pass
-    return answers
+TIMED_OUT = ("timed out: the submission's process was stopped at its limit (wall clock, CPU time or memory) before "
+             "this case finished")
 
 
-def run_case(module, case, others, where=""):
-    """One case, scored: its points, or 0 and the reason."""
+def judge_case(case, observed, others, where=""):
+    """One case, scored from its observation: its points, or 0 and the reason."""
     label = f"{case.function}{where}: {case.name}"
-    function = getattr(module, case.function, None)
-    if function is None:
+    if observed is None:
+        return Result(label, 0.0, case.points, TIMED_OUT, case.hidden)
+    if "not_run" in observed:
+        return Result(label, 0.0, case.points, f"not run: {case.function} ran past {observed['not_run']:g} s on an "
+                      "earlier case", case.hidden)
+    if "out_of_time" in observed:
+        return Result(label, 0.0, case.points, f"{case.function} ran past {observed['out_of_time']:g} s on this "
+                      "tiny case: an endless loop (a while loop whose index never moves?)", case.hidden)
+    if "not_imported" in observed:
+        return Result(label, 0.0, case.points, f"not run: {observed['not_imported']}", case.hidden)
+    if "stopped" in observed:
+        stopped = observed["stopped"]
+        message = (f"{TIMED_OUT} ({stopped})" if stopped.startswith("timed out") else
+                   f"not run: the submission's process ended before this case: {stopped}")
+        return Result(label, 0.0, case.points, message, case.hidden)
+    if observed.get("missing"):
         return Result(label, 0.0, case.points, f"{case.function} is not defined in this file", case.hidden)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            if case.kind == "phase":
-                check_phase(module, case)
-            elif case.kind == "float32":
-                check_float32(function, case)
-            elif case.kind == "cuda":
-                check_cuda(function, case)
-            elif case.kind == "meta":
-                check_meta(function, case)
-            else:
-                check_values(function, case, others)
+        if "check_error" in observed:
+            return Result(label, 0.0, case.points, "the check could not run:\n"
+                          + explain_error(observed["check_error"]), case.hidden)
+        if case.kind == "phase":
+            judge_phase(case, observed)
+        elif case.kind == "float32":
+            judge_float32(case, observed["float32"])
+        elif case.kind == "cuda":
+            judge_cuda(case, observed["cuda"])
+        elif case.kind == "meta":
+            judge_meta(case, observed["meta"])
+        else:
+            judge_values(case, observed, others)
     except Failed as failure:
         return Result(label, 0.0, case.points, str(failure), case.hidden)
-    except Exception as error:  # the grader's own trouble with a strange answer: never stop the other cases
-        return Result(label, 0.0, case.points, "the check could not run:\n" + explain_error(error), case.hidden)
+    except Exception as error:  # an answer the judge cannot read (a strange or forged observation): no points
+        return Result(label, 0.0, case.points, f"the answer could not be read ({type(error).__name__}: {error})",
+                      case.hidden)
     return Result(label, case.points, case.points, "", case.hidden)
+
+
+def judge_cases(cases, observations, where=""):
+    """Every case scored from its observation (None: never observed, the process was stopped first)."""
+    others = []  # the student's float64 answers on every case, to tell apart mistakes that agree on one case
+    for case, observed in zip(cases, observations):
+        outputs = ((observed or {}).get("float64") or {}).get("outputs")
+        if case.kind == "values" and outputs is not None:
+            others.append((case, outputs))
+    return [judge_case(case, observed, [o for o in others if o[0].function == case.function], where)
+            for case, observed in zip(cases, observations)]
 
 
 def contract_cases(cases):
@@ -517,61 +636,33 @@ def contract_cases(cases):
 
 
 def run_cases(module, cases, where=""):
-    """Every case of every function, each scored on its own; with one thread (tiny tensors)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        results = []
-        cases = list(cases) + contract_cases(cases)
-        answers = {}
-        out_of_time = set()
-        for case in cases:
-            label = f"{case.function}{where}: {case.name}"
-            if case.function in out_of_time:
-                results.append(Result(label, 0.0, case.points, f"not run: {case.function} ran past "
-                                      f"{CASE_SECONDS} s on an earlier case", case.hidden))
-                continue
-            try:
-                with time_limit(CASE_SECONDS):
-                    if case.function not in answers and case.kind == "values" and hasattr(module, case.function):
-                        answers[case.function] = student_outputs(getattr(module, case.function),
-                                                                 [c for c in cases if c.function == case.function])
-                    results.append(run_case(module, case, answers.get(case.function, []), where))
-            except OutOfTime:
-                out_of_time.add(case.function)
-                results.append(Result(label, 0.0, case.points, f"{case.function} ran past {CASE_SECONDS} s on "
-                                      "this tiny case: an endless loop (a while loop whose index never moves?)",
-                                      case.hidden))
-        return results
-    finally:
-        torch.set_num_threads(threads)
+    """Every case of `cases` (and the contract cases made from them) observed and judged in this process."""
+    cases = list(cases) + contract_cases(cases)
+    return judge_cases(cases, observe_cases(module, cases), where)
 
 
-def copies_agree(function_name, modules, cases):
+def answer_of(observed):
+    """A copy's float64 answer on a case, or what it did instead (for copies_agree)."""
+    call = (observed or {}).get("float64")
+    if call is None:
+        return "did not finish (timed out)"
+    if "error" in call:
+        return f"{call['error']['type']}: {call['error']['message']}"
+    if "failed" in call:
+        return call["failed"]
+    return call["outputs"]
+
+
+def copies_agree(function_name, observed_copies, cases):
     """Two files' copies of one function give the same answers on every case (a harmless difference in the one
-    copy would hide a wrong copy otherwise). Returns a Result worth one point."""
-    names = list(modules)
+    copy would hide a wrong copy otherwise). `observed_copies`: {file: its observations of `cases`}. Returns a
+    Result worth one point."""
+    names = list(observed_copies)
     label = f"{function_name}: the copies in {' and '.join(names)} agree"
-    try:
-        with time_limit(CASE_SECONDS):
-            return compare_copies(function_name, modules, cases, label)
-    except OutOfTime:
-        return Result(label, 0.0, 1.0, f"not compared: a copy ran past {CASE_SECONDS} s")
-
-
-def compare_copies(function_name, modules, cases, label):
-    names = list(modules)
-    for case in cases:
+    for index, case in enumerate(cases):
         if case.kind != "values":
             continue
-        answers = []
-        for name in names:
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    answers.append(numpy_of(outputs_of(function_name, getattr(modules[name], function_name)(
-                        **as_tensors(case.inputs)))))
-            except Exception as error:
-                answers.append(f"{type(error).__name__}: {error}")
+        answers = [answer_of(observed_copies[name][index]) for name in names]
         if any(isinstance(a, str) for a in answers) or not all(close(a, answers[0]) for a in answers[1:]):
             detail = "\n".join(f"  {name}: {fmt(a[0]) if not isinstance(a, str) else a}"
                                for name, a in zip(names, answers))
@@ -666,44 +757,66 @@ def run_phase(module, inputs, agent):
     return stats, steps
 
 
-def check_phase(module, case):
-    """One procedure case of the auxiliary phase: what it checks is listed in case.expected."""
-    if not hasattr(module, "auxiliary_phase"):
-        raise Failed("auxiliary_phase is not defined in this file")
-    expected = case.expected
+def plain_stats(stats):
+    """The phase's returned statistics as numbers ({key: float}), or None when they are not a dict of numbers."""
+    if not isinstance(stats, dict):
+        return None
+    try:
+        return {str(key): float(value) for key, value in stats.items()}
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def observe_phase(module, case):
+    """The student's auxiliary_phase on a case's buffer, as data: the statistics it returned, the optimizer steps,
+    the rollouts of each forward pass with gradients, the weights before and after; or what it raised."""
     agent = TinyAgent(case.inputs["init"])
-    if expected.get("raises"):
-        check_phase_raises(module, case, agent)
-        return
+    initial = agent.flat()
     try:
         stats, steps = run_phase(module, case.inputs, agent)
-    except NotImplementedError as error:
-        raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
-                     + exercise_text(error))
-    except Failed:
-        raise
+    except Failed as failure:
+        return {"failed": str(failure)}
     except Exception as error:
-        raise Failed("auxiliary_phase raised an error:\n" + explain_error(error))
+        return {"error": error_record(error), "initial": initial, "weights": agent.flat()}
+    return {"stats": plain_stats(stats), "stats_repr": f"{stats!r:.200}", "steps": steps, "calls": agent.calls,
+            "initial": initial, "weights": agent.flat()}
+
+
+def judge_phase(case, observed):
+    """One procedure case of the auxiliary phase: what it checks is listed in case.expected."""
+    expected = case.expected
+    if "failed" in observed:
+        raise Failed(observed["failed"])
+    if expected.get("raises"):
+        judge_phase_raises(case, observed)
+        return
+    if "error" in observed:
+        if observed["error"]["blank"]:
+            raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                         + exercise_text(observed["error"]["message"]))
+        raise Failed("auxiliary_phase raised an error:\n" + explain_error(observed["error"]))
+    stats, steps, calls = observed["stats"], observed["steps"], observed["calls"]
     problems = []
     keys = ["aux/aux_value_loss", "aux/kl", "aux/value_loss"]
-    if not isinstance(stats, dict) or set(stats) != set(keys):
-        raise Failed(f"auxiliary_phase must return a dict with the keys {keys}; got {stats!r:.200}")
+    if stats is None or set(stats) != set(keys):
+        raise Failed(f"auxiliary_phase must return a dict with the keys {keys}; got {observed['stats_repr']}")
     if "steps" in expected and len(steps) != expected["steps"]:
         problems.append(f"expected {expected['steps']} optimizer steps ({expected['why_steps']}), got {len(steps)}.")
     if "minibatch" in expected:
-        sizes = sorted({len(rollouts) for rollouts in agent.calls})
+        sizes = sorted({len(rollouts) for rollouts in calls})
         if sizes != [expected["minibatch"]] and len(steps) == expected.get("steps"):
             problems.append(f"each forward pass with gradients should see {expected['minibatch']} rollouts, saw "
                             f"{sizes}.")
     if "shuffle" in expected:
-        problems += shuffle_problems(agent.calls, steps, expected)
+        problems += shuffle_problems(calls, steps, expected)
     if "stats" in expected:
         for key in keys:
             if not math.isclose(stats[key], expected["stats"][key], rel_tol=1e-4, abs_tol=1e-6):
                 problems.append(f"{key} should be {expected['stats'][key]:.6g}, got {stats[key]:.6g}.")
     if "weights" in expected:
-        got = agent.flat()
-        if not np.allclose(got, expected["weights"], rtol=1e-4, atol=1e-6):
+        got = np.asarray(observed["weights"], dtype=float)
+        if np.shape(got) != np.shape(expected["weights"]) or not np.allclose(got, expected["weights"], rtol=1e-4,
+                                                                              atol=1e-6):
             problems.append(f"the weights after the phase differ from Algorithm 1's (plain SGD) by up to "
                             f"{np.abs(got - expected['weights']).max():.3g}.")
             for mistake in case.mistakes:
@@ -735,25 +848,25 @@ def shuffle_problems(calls, steps, expected):
     return []
 
 
-def check_phase_raises(module, case, agent):
-    initial = agent.flat()
-    try:
-        run_phase(module, case.inputs, agent)
-    except FloatingPointError:
-        if not np.array_equal(agent.flat(), initial, equal_nan=True):
-            raise Failed("auxiliary_phase raised FloatingPointError, but only after a step had put the non-finite "
-                         "gradient into the weights: check the clipped gradient norms before optimizer.step().")
-        return
-    except NotImplementedError as error:
-        raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
-                     + exercise_text(error))
-    except Failed:
-        raise
-    except Exception as error:
+
+
+def judge_phase_raises(case, observed):
+    weights = np.asarray(observed["weights"], dtype=float)
+    if "error" in observed:
+        error = observed["error"]
+        if error["floating_point"]:
+            if not np.array_equal(weights, np.asarray(observed["initial"], dtype=float), equal_nan=True):
+                raise Failed("auxiliary_phase raised FloatingPointError, but only after a step had put the "
+                             "non-finite gradient into the weights: check the clipped gradient norms before "
+                             "optimizer.step().")
+            return
+        if error["blank"]:
+            raise Failed("auxiliary_phase is still a blank (it raises NotImplementedError). The exercise:\n\n"
+                         + exercise_text(error["message"]))
         raise Failed("a non-finite gradient must raise FloatingPointError (as ppo_update does); it raised:\n"
                      + explain_error(error))
     raise Failed(f"a value target is NaN, so the gradient is not finite, and auxiliary_phase did not raise "
-                 f"FloatingPointError (the weights now hold NaN: {np.isnan(agent.flat()).any()}).\n"
+                 f"FloatingPointError (the weights now hold NaN: {np.isnan(weights).any()}).\n"
                  f"hint: {case.expected['hint']}")
 
 
@@ -761,45 +874,79 @@ def check_phase_raises(module, case, agent):
 ALL_FUNCTIONS = [function for exercise in EXERCISES.values() for function in exercise["functions"]]
 
 
-def training_file_of(exercise, modules):
-    """The file the exercise trains with: its script if given, else the first file that holds its functions."""
-    holders = [name for name, module in modules.items()
-               if all(hasattr(module, f) for f in EXERCISES[exercise]["functions"])]
+def names_of(modules):
+    """{file: the names it defines} of loaded modules (the sandbox reads them from the files' source instead)."""
+    return {name: set(vars(module)) for name, module in modules.items()}
+
+
+def training_file_of(exercise, defined):
+    """The file the exercise trains with: its script if given, else the first file that holds its functions.
+    `defined`: {file: the names it defines} (names_of)."""
+    holders = [name for name, names in defined.items() if all(f in names for f in EXERCISES[exercise]["functions"])]
     if EXERCISES[exercise]["script"] in holders:
         return EXERCISES[exercise]["script"]
     return holders[0] if holders else None
 
 
-def functions_to_grade(exercise, modules):
+def functions_to_grade(exercise, defined):
     """{file: [functions]}: the exercise's own functions wherever they are, and every exercise function in the file
     it trains with (that file's other blanks run in its training too)."""
-    training_file = training_file_of(exercise, modules)
+    training_file = training_file_of(exercise, defined)
     plan = {}
-    for name, module in modules.items():
-        chosen = [f for f in ALL_FUNCTIONS if hasattr(module, f)
+    for name, names in defined.items():
+        chosen = [f for f in ALL_FUNCTIONS if f in names
                   and (f in EXERCISES[exercise]["functions"] or name == training_file)]
         if chosen:
             plan[name] = chosen
     return plan
 
 
-def grade_exercise(exercise, modules, cases_for):
-    """Every case of the exercise in every file that matters, each scored; two copies of one function must agree.
-    `cases_for(function)` gives a function's cases. Returns a list of Result."""
-    if training_file_of(exercise, modules) is None:
-        functions = ", ".join(EXERCISES[exercise]["functions"])
-        return [Result(f"{exercise}: no file defines {functions}", 0.0, 1.0,
-                       f"expected {EXERCISES[exercise]['script']} with {functions}; got {', '.join(modules)}")]
-    results = []
-    holders = {}
+def plan_exercise(exercise, defined, cases_for):
+    """{file: {function: its cases, the contract cases included}} of everything the exercise grades, or None when
+    no file defines the exercise's functions. `cases_for(function)` gives a function's cases."""
+    if training_file_of(exercise, defined) is None:
+        return None
     cases_of = {}
-    for name, functions in functions_to_grade(exercise, modules).items():
+    plan = {}
+    for name, functions in functions_to_grade(exercise, defined).items():
         for function in functions:
             if function not in cases_of:
-                cases_of[function] = cases_for(function)
-            results += run_cases(modules[name], cases_of[function], where=f" [{name}]")
-            holders.setdefault(function, {})[name] = modules[name]
+                cases = list(cases_for(function))
+                cases_of[function] = cases + contract_cases(cases)
+            plan.setdefault(name, {})[function] = cases_of[function]
+    return plan
+
+
+def nothing_defines(exercise, files):
+    functions = ", ".join(EXERCISES[exercise]["functions"])
+    return [Result(f"{exercise}: no file defines {functions}", 0.0, 1.0,
+                   f"expected {EXERCISES[exercise]['script']} with {functions}; got {', '.join(files)}")]
+
+
+def judge_exercise(plan, observations):
+    """The plan's cases scored from `observations` ({file: {function: [observation per case]}}; a missing one was
+    never observed); two copies of one function must agree. Returns a list of Result."""
+    results = []
+    holders = {}
+    for name, functions in plan.items():
+        for function, cases in functions.items():
+            observed = list(observations.get(name, {}).get(function, []))
+            observed += [None] * (len(cases) - len(observed))
+            results += judge_cases(cases, observed[:len(cases)], where=f" [{name}]")
+            holders.setdefault(function, {})[name] = observed
     for function, copies in holders.items():
         if len(copies) > 1 and function != "auxiliary_phase":
-            results.append(copies_agree(function, copies, cases_of[function]))
+            cases = next(functions[function] for functions in plan.values() if function in functions)
+            results.append(copies_agree(function, copies, cases))
     return results
+
+
+def grade_exercise(exercise, modules, cases_for):
+    """Every case of the exercise in every file that matters, each scored; two copies of one function must agree.
+    Observed and judged in this process (the public grader). Returns a list of Result."""
+    plan = plan_exercise(exercise, names_of(modules), cases_for)
+    if plan is None:
+        return nothing_defines(exercise, modules)
+    observations = {name: {function: observe_cases(modules[name], cases) for function, cases in functions.items()}
+                    for name, functions in plan.items()}
+    return judge_exercise(plan, observations)

@@ -1,18 +1,23 @@
 """The instructor's grader (it stays in the repository; the student bundle gets only the public grader).
 
   python exercises/instructor.py grade EXERCISE FILE [FILE ...] [--student NAME] [--secret S] [--json OUT]
-  python exercises/instructor.py batch SUBMISSIONS [--exercises gae,...] [--secret S] [--out DIR]
+  python exercises/instructor.py batch SUBMISSIONS [--exercises gae,...] [--secret S] [--out DIR] [--jobs 2]
   python exercises/instructor.py make-cases            # rewrite exercises/cases/*.json (the public cases)
 
-Each exercise is graded on the public cases (the ones the bundle ships) plus hidden randomized cases drawn from a
-seed per submission (sha256 of the secret and the student's name: the same submission always gets the same cases,
-two students different ones). Expected answers come from the float64 references (exercises/references.py); every
-case is worth one point and every case runs. `grade` prints a text report (and writes a JSON result); `batch` grades
-each sub-folder of SUBMISSIONS (one per student, holding some of the four scripts), writes DIR/NAME.txt and
-DIR/NAME.json per student and one CSV row per student in DIR/grades.csv. No training: the learning curve is
-informational (docs/assignments.md) and gives no points."""
+Each submission's code runs in a sandboxed child process of its own (exercises/sandbox.py: a fresh interpreter in
+an empty folder, a uid of its own when run as root, limits on time, CPU, memory, output and processes); this
+process draws the cases, computes their answers with the float64 references (exercises/references.py), sends the
+child the inputs only and scores what comes back. Each exercise is worth EXERCISE_POINTS whatever the failure: the
+hidden randomized cases (drawn from sha256 of the secret and the student's name: the same submission always gets
+the same cases, two students different ones) share half, the public cases (the bundle's, their inputs disguised by
+~1 % so that a lookup of the shipped answers gains nothing) the other half. `grade` prints a text report (and
+writes a JSON result); `batch` grades each sub-folder of SUBMISSIONS (one per student, holding some of the four
+scripts), --jobs at a time, and once every child has ended writes DIR/NAME.txt, DIR/NAME.json and one CSV row per
+student in DIR/grades.csv, each file atomically. --secret (or $GRADER_SECRET) is handed to a re-run of the command
+through a pipe, out of its argv and environment. No training: the learning curve is informational
+(docs/assignments.md) and gives no points."""
 import argparse
-import contextlib
+import concurrent.futures
 import csv
 import dataclasses
 import hashlib
@@ -20,8 +25,8 @@ import io
 import json
 import os
 import sys
+import tempfile
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -31,12 +36,13 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from exercises import grading  # noqa: E402
+from exercises import grading, sandbox  # noqa: E402
 from exercises import references as ref  # noqa: E402
 from exercises.grading import Case  # noqa: E402
 from exercises.texts import EXERCISES  # noqa: E402
 
 HIDDEN_PER_FUNCTION = 4
+EXERCISE_POINTS = 40  # every exercise, whatever the submission: the hidden cases share half, the public ones half
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
 REFERENCES = {
     "compute_gae": (ref.gae, ref.GAE_MUTANTS),
@@ -535,45 +541,66 @@ def make_public_cases(directory=grading.CASES_DIR):
         grading.save_cases(os.path.join(directory, f"{function}.json"), build())
 
 
-# ---------------------------------------------------------------- grading a submission
-def grade_exercise(exercise, modules, seed):
-    """The public cases and the submission's hidden ones, every file that matters (grading.grade_exercise)."""
-    return grading.grade_exercise(exercise, modules, lambda function: PUBLIC[function]() + hidden_cases(function, seed))
+# ---------------------------------------------------------------- the instructor's cases of a submission
+def disguise(value, rng):
+    """An input array with each entry times exp(N(0, 0.01^2)): signs, zeros and 0/1 masks (dones, a response's
+    mask) kept, so the case means what it meant; anything else is returned as it is."""
+    if not isinstance(value, np.ndarray) or np.isin(value, (0.0, 1.0)).all():
+        return value
+    return value * np.exp(rng.normal(0.0, 0.01, value.shape))
 
 
-def load_submission(files):
-    """{basename: module} of the submission's scripts; a file that does not import is reported, not raised."""
-    modules, problems = {}, []
-    for path in files:
-        try:
-            modules[os.path.basename(path)] = grading.load_script(path)
-        except Exception:
-            problems.append(grading.Result(f"{os.path.basename(path)} imports", 0.0, 1.0,
-                                           traceback.format_exc(limit=-3)))
-    return modules, problems
+def disguised_public(function, seed):
+    """The public cases with their inputs disguised from the seed and their answers recomputed: a submission that
+    looks up the shipped answers (exercises/cases/*.json) gains nothing, an honest one passes as on the shipped
+    cases. The phase's cases are procedures on a tiny agent whose pixels index its rollouts: they stay as shipped."""
+    public = PUBLIC[function]()
+    if function == "auxiliary_phase":
+        return public
+    digest = hashlib.sha256(f"{seed}:public:{function}".encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    return [make_case(function, f"{case.name} (inputs rescaled by ~1 %)",
+                      {key: disguise(value, rng) for key, value in case.inputs.items()}, tuple(case.grads))
+            for case in public]
 
 
-def grade_submission(files, exercises, student, secret):
-    """The whole grade of one student: {exercise: [Result]} and the text report."""
+def cases_for(seed):
+    """`cases(function)`: a function's cases for the submission of `seed`, the public ones disguised and the hidden
+    ones drawn from it; made once per function, so every exercise grades a function on the same cases."""
+    made = {}
+
+    def cases(function):
+        if function not in made:
+            made[function] = disguised_public(function, seed) + hidden_cases(function, seed)
+        return made[function]
+    return cases
+
+
+# ---------------------------------------------------------------- grading a submission (in its own process)
+def grade_submission(files, exercises, student, secret, limits=None, number=0):
+    """The whole grade of one student: {exercise: [Result]} and the text report. The student's code runs in a
+    child process (exercises/sandbox.py); the cases, their answers and every point are made here."""
     seed = submission_seed(secret, student)
     start = time.time()
-    modules, problems = load_submission(files)
-    graded = {}
-    for exercise in exercises:
-        graded[exercise] = problems + grade_exercise(exercise, modules, seed) if modules else problems
+    graded, ended = sandbox.grade(files, exercises, cases_for(seed), limits or sandbox.Limits(),
+                                  sandbox.uid_for(number))
+    graded = {exercise: sandbox.weighted(results, EXERCISE_POINTS) for exercise, results in graded.items()}
     seconds = time.time() - start
     lines = [f"student {student}: {', '.join(os.path.basename(f) for f in files)} (hidden cases from seed {seed})"]
+    if ended != "ok":
+        lines.append(f"the submission's process: {ended}")
     for exercise, results in graded.items():
         points, total = grading.score(results)
-        lines.append(f"exercise {exercise}: {points:g} / {total:g} points")
+        lines.append(f"exercise {exercise}: {points:.2f} / {total:.0f} points")
         lines += grading.report_lines(results)
-    total_points = sum(grading.score(r)[0] for r in graded.values())
-    total_max = sum(grading.score(r)[1] for r in graded.values())
+    total_points = round(sum(grading.score(r)[0] for r in graded.values()), 2)
+    total_max = round(sum(grading.score(r)[1] for r in graded.values()), 2)
     lines.append(f"total: {total_points:g} / {total_max:g} points ({seconds:.1f} s; the learning curve is "
                  "informational and gives no points)")
     result = {"student": student, "seed": seed, "files": [os.path.basename(f) for f in files],
-              "seconds": round(seconds, 2), "points": total_points, "max_points": total_max,
-              "exercises": {exercise: {"points": grading.score(results)[0], "max_points": grading.score(results)[1],
+              "seconds": round(seconds, 2), "process": ended, "points": total_points, "max_points": total_max,
+              "exercises": {exercise: {"points": round(grading.score(results)[0], 2),
+                                       "max_points": round(grading.score(results)[1], 2),
                                        "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}
                             for exercise, results in graded.items()}}
     return result, "\n".join(lines)
@@ -587,23 +614,56 @@ def exercises_of(files, chosen=None):
     return [exercise for exercise, info in EXERCISES.items() if info["script"] in names]
 
 
-def batch(folder, exercises, secret, out):
-    """One student per sub-folder of `folder`; a report and a JSON per student, one CSV row each."""
+def write_atomic(path, text):
+    """`path` written whole or not at all: a temporary file in its folder, flushed and synced, renamed over it."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                         prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(handle, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def grade_folder(number, folder, student, exercises, secret, limits):
+    """One sub-folder of the batch: (result, report). Should the grader itself fail on a submission, that
+    submission gets 0 of the same maximum and the reason; the others are graded all the same."""
+    directory = os.path.join(folder, student)
+    files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
+    chosen = exercises_of(files, exercises)
+    try:
+        return grade_submission(files, chosen, student, secret, limits, number)
+    except Exception as error:  # a grader bug or a report it cannot read: never the whole class's batch
+        reason = f"the grader failed on this submission ({type(error).__name__}: {error}); grade it again alone"
+        parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
+            {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
+             "passed": False}]} for exercise in chosen}
+        result = {"student": student, "seed": None, "files": [os.path.basename(f) for f in files], "seconds": 0.0,
+                  "process": reason, "points": 0.0, "max_points": EXERCISE_POINTS * len(chosen), "exercises": parts}
+        return result, f"student {student}: {reason}"
+
+
+def batch(folder, exercises, secret, out, limits=None, jobs=2):
+    """One student per sub-folder of `folder`, `jobs` children at a time; after every child has ended, a report
+    and a JSON per student and one CSV row each, each file written atomically. Returns the CSV's rows."""
     os.makedirs(out, exist_ok=True)
+    warn_if_open(folder, out)
+    students = [name for name in sorted(os.listdir(folder)) if os.path.isdir(os.path.join(folder, name))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        graded = list(pool.map(grade_folder, range(len(students)), [folder] * len(students), students,
+                               [exercises] * len(students), [secret] * len(students),
+                               [limits] * len(students)))
     rows = []
     columns = list(EXERCISES)
-    for student in sorted(os.listdir(folder)):
-        directory = os.path.join(folder, student)
-        if not os.path.isdir(directory):
-            continue
-        files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
-        chosen = exercises_of(files, exercises)
-        with contextlib.redirect_stdout(io.StringIO()):
-            result, text = grade_submission(files, chosen, student, secret)
-        with open(os.path.join(out, f"{student}.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(out, f"{student}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    for student, (result, text) in zip(students, graded):
+        write_atomic(os.path.join(out, f"{student}.txt"), text + "\n")
+        write_atomic(os.path.join(out, f"{student}.json"), json.dumps(result, indent=1))
         row = {"student": student, "points": result["points"], "max_points": result["max_points"],
                "seconds": result["seconds"]}
         for exercise in columns:
@@ -611,11 +671,65 @@ def batch(folder, exercises, secret, out):
             row[exercise] = "" if part is None else f"{part['points']:g}/{part['max_points']:g}"
         rows.append(row)
         print(f"{student}: {result['points']:g} / {result['max_points']:g} ({result['seconds']:.1f} s)")
-    with open(os.path.join(out, "grades.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["student", "points", "max_points", *columns, "seconds"])
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=["student", "points", "max_points", *columns, "seconds"])
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(os.path.join(out, "grades.csv"), table.getvalue())
     return rows
+
+
+def warn_if_open(*folders):
+    """As root the children run under uids of their own: folders that other users may read are open to them."""
+    for folder in folders:
+        if os.geteuid() == 0 and os.stat(folder).st_mode & 0o005:
+            print(f"warning: {folder} is readable by other users, so by the submissions' processes too: "
+                  f"chmod o-rwx {folder}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- the secret: never in argv or the environment
+SECRET_FD = "GRADER_SECRET_FD"
+
+
+def without_secret(argv):
+    """(the value of --secret or None, argv without it)."""
+    secret, rest = None, []
+    arguments = iter(argv)
+    for argument in arguments:
+        if argument == "--secret":
+            secret = next(arguments, "")
+        elif argument.startswith("--secret="):
+            secret = argument.split("=", 1)[1]
+        else:
+            rest.append(argument)
+    return secret, rest
+
+
+def hand_over_secret(argv):
+    """Run this command again with the secret in a pipe, out of argv and the environment: /proc/PID/cmdline is
+    readable by every process on the machine, /proc/PID/environ by every process of the user. Returns only when
+    there is no secret to hide (or it is hidden already)."""
+    secret, rest = without_secret(argv)
+    if secret is None:
+        secret = os.environ.get("GRADER_SECRET")
+    if secret is None or SECRET_FD in os.environ:
+        return
+    read, write = os.pipe()
+    os.write(write, secret.encode())
+    os.close(write)
+    os.set_inheritable(read, True)
+    environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
+    environment[SECRET_FD] = str(read)
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *rest], environment)
+
+
+def handed_secret():
+    """The secret that hand_over_secret put in a pipe, or $GRADER_SECRET, or ''."""
+    if SECRET_FD not in os.environ:
+        return os.environ.get("GRADER_SECRET", "")
+    descriptor = int(os.environ.pop(SECRET_FD))
+    with os.fdopen(descriptor, "rb") as f:
+        return f.read().decode()
 
 
 def main(argv=None):
@@ -632,31 +746,54 @@ def main(argv=None):
     many.add_argument("--exercises", default=None, help="comma-separated (default: each exercise whose script a "
                       "submission holds)")
     many.add_argument("--out", default="grades", help="folder for the reports, JSON results and grades.csv")
+    many.add_argument("--jobs", type=int, default=2, help="submissions graded at once (one child process each)")
     commands.add_parser("make-cases", help="rewrite the public cases (exercises/cases/*.json) from the references")
+    defaults = sandbox.Limits()
     for command in (one, many):
-        command.add_argument("--secret", default=os.environ.get("GRADER_SECRET", ""),
+        command.add_argument("--secret", default=None,
                              help="mixed into each submission's seed (or $GRADER_SECRET): students cannot "
-                                  "reproduce the hidden cases")
+                                  "reproduce the hidden cases; the command hides it from other processes")
+        command.add_argument("--seconds", type=float, default=defaults.seconds,
+                             help="wall-clock limit of one submission's process")
+        command.add_argument("--cpu-seconds", type=int, default=defaults.cpu_seconds,
+                             help="CPU-time limit of one submission's process")
+        command.add_argument("--memory-gib", type=float, default=defaults.memory_bytes / 2**30,
+                             help="address-space limit of one submission's process, GiB")
+        command.add_argument("--case-seconds", type=float, default=defaults.case_seconds,
+                             help="a function that runs past this on one case is not run on its later cases")
     options = parser.parse_args(argv)
     if options.command == "make-cases":
         make_public_cases()
         print(f"wrote {grading.CASES_DIR}")
         return 0
+    secret = handed_secret() if options.secret is None else options.secret
+    limits = limits_of(parser, options)
     if options.command == "batch":
         unknown = [e for e in (options.exercises or "").split(",") if e and e not in EXERCISES]
         if unknown:
             parser.error(f"--exercises: unknown {', '.join(unknown)}; choose from {', '.join(EXERCISES)}")
+        if options.jobs < 1:
+            parser.error(f"--jobs: {options.jobs}; must be 1 or more")
         chosen = [e for e in (options.exercises or "").split(",") if e]
-        batch(options.submissions, chosen, options.secret, options.out)
+        batch(options.submissions, chosen, secret, options.out, limits, options.jobs)
         return 0
     student = options.student or os.path.basename(os.path.dirname(os.path.abspath(options.files[0])))
-    result, text = grade_submission(options.files, [options.exercise], student, options.secret)
+    result, text = grade_submission(options.files, [options.exercise], student, secret, limits)
     print(text)
     if options.json:
-        with open(options.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_atomic(options.json, json.dumps(result, indent=1))
     return 0 if result["points"] == result["max_points"] else 1
 
 
+def limits_of(parser, options):
+    """The limits from the flags; each must be positive."""
+    for flag in ("seconds", "cpu_seconds", "memory_gib", "case_seconds"):
+        if getattr(options, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')}: {getattr(options, flag)}; must be > 0")
+    return dataclasses.replace(sandbox.Limits(), seconds=options.seconds, cpu_seconds=options.cpu_seconds,
+                               memory_bytes=int(options.memory_gib * 2**30), case_seconds=options.case_seconds)
+
+
 if __name__ == "__main__":
+    hand_over_secret(sys.argv[1:])
     sys.exit(main())
