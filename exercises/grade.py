@@ -179,9 +179,9 @@ def grade(exercise, paths=None, train=True, out=print, verbose=False, json_path=
     passed = points == total
     out(f"  score: {points:g} / {total:g} points ({time.time() - start:.1f} s)")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"exercise": exercise, "points": points, "max_points": total,
-                       "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}, f, indent=1)
+        report = {"exercise": exercise, "points": points, "max_points": total,
+                  "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}
+        grading.write_atomic(json_path, json.dumps(report, indent=1))
     training_file = grading.training_file_of(exercise, grading.names_of(modules))
     if train and passed and training_file is not None:
         out(f"(b) training {training_file} with them (informational: no points, it does not grade)")

@@ -134,9 +134,21 @@ def decode(value):
 
 
 def save_cases(path, cases):
-    with open(path, "w") as f:
-        json.dump([encode(dataclasses.asdict(case)) for case in cases], f, indent=None, allow_nan=True)
-        f.write("\n")
+    write_atomic(path, json.dumps([encode(dataclasses.asdict(case)) for case in cases], allow_nan=True) + "\n")
+
+
+def write_atomic(path, text):
+    """`path` written whole or not at all: a temporary file in its folder, flushed and synced, renamed over it."""
+    temporary = f"{path}.tmp"
+    try:
+        with open(temporary, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:  # a failed write leaves no temporary file
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def load_cases(function_name, directory=CASES_DIR):
