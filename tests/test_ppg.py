@@ -146,7 +146,7 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
                   channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed",
                   max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99,
-                  minibatch_unit="games")
+                  minibatch_unit="games", torch_threads=1)
     ppo_args = ppo.Args(**common, update_epochs=1)
     ppo_args.arch = "detach"  # what PPG's Agent reads
     ppg_rows = read_rows(ppg.train(ppg.Args(**common, e_pi=1, e_v=1, e_aux=0, n_pi=2, save_every=2, arch="detach")))
@@ -203,7 +203,7 @@ def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
     cue_env(ppg)
     args = ppg.Args(env_id="coinrun", total_timesteps=7 * 32 + 5, num_envs=4, num_steps=8, num_minibatches=2,
                     channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3,
-                    num_aux_rollouts=4, anneal_lr=True)
+                    num_aux_rollouts=4, anneal_lr=True, torch_threads=1)
     rows = read_rows(ppg.train(args))
     output = capsys.readouterr().out
     assert "note: training 224 steps (7 whole iterations)" in output
@@ -219,7 +219,7 @@ def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
     auxiliary phase (the old loop ran two); 5 iterations still get the one after iteration 4."""
     cue_env(ppg)
     common = dict(env_id="coinrun", num_envs=4, num_steps=8, num_minibatches=2, channels=(4,), hidden_size=16,
-                  eval_every=0, eval_episodes=2, n_pi=2, e_aux=1, num_aux_rollouts=4)
+                  eval_every=0, eval_episodes=2, n_pi=2, e_aux=1, num_aux_rollouts=4, torch_threads=1)
     for iterations, phases in ((4, [2]), (5, [2, 4])):
         rows = read_rows(ppg.train(ppg.Args(**common, total_timesteps=iterations * 32)))
         assert [r["iteration"] for r in rows if "aux/kl" in r] == phases
@@ -246,7 +246,7 @@ def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, mo
         monkeypatch.setattr(ppg, name, lambda *arguments: pytest.fail(f"{name} called with --e-aux 0"))
     rows = read_rows(ppg.train(ppg.Args(env_id="coinrun", total_timesteps=4 * 32, num_envs=4, num_steps=8,
                                         num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0,
-                                        eval_episodes=2, n_pi=2, e_aux=0, save_every=2)))
+                                        eval_episodes=2, n_pi=2, e_aux=0, save_every=2, torch_threads=1)))
     assert len([r for r in rows if "losses/policy_loss" in r]) == 4 and not any("aux/kl" in r for r in rows)
 
 
