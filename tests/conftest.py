@@ -10,7 +10,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One torch thread for the tests' own tensors (test_vtrace.py set it at import anyway): with other jobs on the 2
+# cores a team of two runs tiny networks several times slower. A test's train() sets its own (--torch-threads).
+torch.set_num_threads(1)
 
 from exercises.cue_env import CueEnv  # noqa: E402 (one copy: the graders' learning check uses it too)
 

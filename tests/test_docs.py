@@ -38,10 +38,11 @@ TYRO_SCRIPTS = {  # script -> (module, dataclass): parsed in-process with tyro.c
     "benchmarks/rlhf_seeds.py": ("benchmarks/rlhf_seeds.py", "SeedsArgs"),
 }
 PROCGEN_SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py")
-# Flags of other programs that the pages name: torchrun, SLURM, pip, and pytest's options added in exercises/.
+# Flags of other programs that the pages name: torchrun, SLURM, pip, pytest's options added in exercises/, and
+# pytest's and pytest-xdist's own (docs/testing.md's runtime).
 EXTERNAL_FLAGS = {"--nproc-per-node", "--standalone", "--nnodes", "--rdzv-id", "--rdzv-backend", "--rdzv-endpoint",
                   "--signal", "--requeue", "--index-url", "--dry-run", "--script", "--no-train", "--help",
-                  "--logdir", "--no-deps", "--only-binary", "--platform", "--python-version"}
+                  "--logdir", "--no-deps", "--only-binary", "--platform", "--python-version", "--durations", "--dist"}
 SHELL_SEPARATORS = {"&&", "||", ";", "|", "&", ">", ">>", "<", "2>", "2>&1"}
 CODE_LANGUAGES = {"", "bash", "sh", "shell", "console", "yaml"}  # yaml: shell in a block scalar
 

@@ -19,7 +19,10 @@ import ppo_procgen as ppo
 
 TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2", "--channels", "4",
         "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0", "--n-pi", "2", "--num-aux-rollouts", "2",
-        "--e-aux", "2", "--save-every", "2"]
+        "--e-aux", "2", "--save-every", "2", "--torch-threads", "1"]
+# What a resume or an evaluation takes from its command line, not from the checkpoint (the script's RUNTIME_FLAGS):
+# without them it would evaluate the default 32 episodes of StarPilot with a team of torch threads.
+RUNTIME = ["--eval-episodes", "2", "--torch-threads", "1"]
 
 
 def tiny_args(**overrides):
@@ -143,7 +146,7 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
                   channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed",
                   max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99,
-                  minibatch_unit="games")
+                  minibatch_unit="games", torch_threads=1)
     ppo_args = ppo.Args(**common, update_epochs=1)
     ppo_args.arch = "detach"  # what PPG's Agent reads
     ppg_rows = read_rows(ppg.train(ppg.Args(**common, e_pi=1, e_v=1, e_aux=0, n_pi=2, save_every=2, arch="detach")))
@@ -200,7 +203,7 @@ def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
     cue_env(ppg)
     args = ppg.Args(env_id="coinrun", total_timesteps=7 * 32 + 5, num_envs=4, num_steps=8, num_minibatches=2,
                     channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3,
-                    num_aux_rollouts=4, anneal_lr=True)
+                    num_aux_rollouts=4, anneal_lr=True, torch_threads=1)
     rows = read_rows(ppg.train(args))
     output = capsys.readouterr().out
     assert "note: training 224 steps (7 whole iterations)" in output
@@ -216,7 +219,7 @@ def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
     auxiliary phase (the old loop ran two); 5 iterations still get the one after iteration 4."""
     cue_env(ppg)
     common = dict(env_id="coinrun", num_envs=4, num_steps=8, num_minibatches=2, channels=(4,), hidden_size=16,
-                  eval_every=0, eval_episodes=2, n_pi=2, e_aux=1, num_aux_rollouts=4)
+                  eval_every=0, eval_episodes=2, n_pi=2, e_aux=1, num_aux_rollouts=4, torch_threads=1)
     for iterations, phases in ((4, [2]), (5, [2, 4])):
         rows = read_rows(ppg.train(ppg.Args(**common, total_timesteps=iterations * 32)))
         assert [r["iteration"] for r in rows if "aux/kl" in r] == phases
@@ -243,7 +246,7 @@ def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, mo
         monkeypatch.setattr(ppg, name, lambda *arguments: pytest.fail(f"{name} called with --e-aux 0"))
     rows = read_rows(ppg.train(ppg.Args(env_id="coinrun", total_timesteps=4 * 32, num_envs=4, num_steps=8,
                                         num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0,
-                                        eval_episodes=2, n_pi=2, e_aux=0, save_every=2)))
+                                        eval_episodes=2, n_pi=2, e_aux=0, save_every=2, torch_threads=1)))
     assert len([r for r in rows if "losses/policy_loss" in r]) == 4 and not any("aux/kl" in r for r in rows)
 
 
@@ -313,19 +316,20 @@ def test_end_to_end_phase_checkpoint_resume(arch, in_tmp):
     checkpoint.update(iteration=2, global_step=64)
     torch.save(checkpoint, os.path.join("runs", run, "phase1.pt"))
     first_rows = read_rows(os.path.join("runs", run))
-    result = run_script("--resume", os.path.join("runs", run, "phase1.pt"))
+    result = run_script("--resume", os.path.join("runs", run, "phase1.pt"), *RUNTIME)
     assert result.returncode == 0, result.stderr
     assert "resuming" in result.stdout and result.stdout.count("aux phase: policy phase") == 0
     rows = read_rows(os.path.join("runs", run))
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4]
     assert rows[:3] == first_rows[:3] and rows[3:] != first_rows[3:]  # iterations 1, 2 and the first aux row kept
     assert rows[-1]["global_step"] == 128 and "eval/episodic_return" in rows[-1]
-    result = run_script("--eval-only", "--checkpoint", path)
-    assert result.returncode == 0 and "eval @ 128 steps" in result.stdout, result.stderr
+    result = run_script("--eval-only", "--checkpoint", path, *RUNTIME)
+    assert result.returncode == 0 and "eval @ 128 steps: return" in result.stdout, result.stderr
+    assert "over 2 episodes" in result.stdout
 
 
 PHASES = dict(env_id="coinrun", total_timesteps=12 * 32, num_envs=4, num_steps=8, num_minibatches=2, channels=(4,),
-              hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3)
+              hidden_size=16, eval_every=0, eval_episodes=2, n_pi=3, e_aux=1, save_every=3, torch_threads=1)
 
 
 def signal_on_call(monkeypatch, name, call, signum=signal.SIGTERM):
@@ -355,7 +359,7 @@ def resume_to_the_end(monkeypatch, path):
 
     monkeypatch.setattr(ppg, "auxiliary_phase", recording)
     monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **kwargs: CueEnv(num_envs))
-    rows = read_rows(ppg.train(ppg.Args(resume=path)))
+    rows = read_rows(ppg.train(ppg.Args(resume=path, torch_threads=1)))  # a runtime flag: not the checkpoint's
     return rows, rollouts
 
 

@@ -29,7 +29,8 @@ ITERATION_KEYS = {
     "perf/gpu_memory_gb"}
 EVAL_KEYS = {"global_step", "iteration", "eval/episodic_return", "eval/normalized_score", "time/eval"}
 TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
-        "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0"]
+        "--update-epochs", "1", "--channels", "4", "--hidden-size", "16", "--eval-episodes", "2", "--eval-every", "0",
+        "--torch-threads", "1"]  # a runtime flag: a resume or an evaluation is given it again
 
 
 def naive_gae(rewards, values, dones, next_value, next_done, gamma, lam):
@@ -259,7 +260,7 @@ def test_ppo_learns_the_cue_task(variant, cue_env, in_tmp):
 
 def test_same_seed_same_run_on_cpu(in_tmp):
     args = ppo.Args(env_id="bigfish", num_envs=4, num_steps=32, num_minibatches=2, total_timesteps=256, channels=(4,),
-                    hidden_size=16, eval_episodes=2)
+                    hidden_size=16, eval_episodes=2, torch_threads=1)
     first = read_rows(ppo.train(args))
     second = read_rows(ppo.train(dataclasses.replace(args, exp_name="again")))  # another run directory
     losses = lambda rows: [(r["global_step"], r.get("losses/policy_loss"), r.get("losses/value_loss"),
@@ -271,7 +272,7 @@ def test_same_seed_same_run_on_cpu(in_tmp):
 def test_nonfinite_loss_saves_a_checkpoint_and_stops(monkeypatch, in_tmp):
     monkeypatch.setattr(ppo, "compute_gae", lambda rewards, *args: torch.full_like(rewards, float("nan")))
     args = ppo.Args(env_id="bigfish", num_envs=2, num_steps=8, num_minibatches=1, total_timesteps=32, channels=(4,),
-                    hidden_size=16)
+                    hidden_size=16, torch_threads=1)
     message = "non-finite loss .* after iteration 0; the weights before that step are saved"
     with pytest.raises(SystemExit, match=message):
         ppo.train(args)
@@ -306,7 +307,7 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert set(saved) >= {"agent", "optimizer", "ranks", "args", "global_step", "iteration"}
     assert set(saved["ranks"][0]) == {"reward_rms", "rng"} and saved["ranks"][0]["reward_rms"][2] > 1
 
-    result = run_script("--resume", path, "--eval-episodes", "2")
+    result = run_script("--resume", path, "--eval-episodes", "2", "--torch-threads", "1")
     assert result.returncode == 0, result.stderr
     assert f"resuming {run} at iteration {saved['iteration'] + 1}" in result.stdout
     rows = read_rows(os.path.join("runs", run))
@@ -321,7 +322,8 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     assert [event.value for event in scalars["charts/SPS"]] == pytest.approx([r["charts/SPS"] for r in iterations])
     assert torch.load(path, weights_only=True)["iteration"] == 60
 
-    result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video")
+    result = run_script("--eval-only", "--checkpoint", path, "--eval-episodes", "3", "--capture-video",
+                        "--torch-threads", "1")
     assert result.returncode == 0, result.stderr
     assert "eval @ 1,920 steps: return" in result.stdout and "over 3 episodes" in result.stdout
     (video,) = [os.path.join(d, f) for d, _, files in os.walk("runs") for f in files if f.endswith(".mp4")]
