@@ -819,7 +819,7 @@ def quoted_exits(texts):
     for status, name in re.findall(r"\*\*(\d+)\*\* for (Ctrl-C|SIGTERM)", reliability):
         quoted[("docs/reliability.md", "SIGINT" if name == "Ctrl-C" else name)] = int(status)
     readme = " ".join(texts["README.md"].split())
-    match = re.search(r"Ctrl-C or SIGTERM saves [^.]*?exits (\d+) / (\d+)", readme)
+    match = re.search(r"Ctrl-C or SIGTERM [^.]*?exits (\d+) / (\d+)", readme)
     if match:
         quoted[("README.md", "SIGINT")] = int(match.group(1))
         quoted[("README.md", "SIGTERM")] = int(match.group(2))
