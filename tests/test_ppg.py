@@ -363,27 +363,29 @@ def resume_to_the_end(monkeypatch, path):
     return rows, rollouts
 
 
-def test_ctrl_c_stops_at_the_end_of_the_current_policy_iteration(cue_env, in_tmp, monkeypatch):
-    """The first Ctrl-C in the middle of a policy phase stops at the end of that iteration (issue 21; it used to wait
-    for the phase's end): the checkpoint is that iteration's, and nothing of the auxiliary buffer is in it."""
+def test_ctrl_c_in_a_policy_phase_stops_at_the_next_minibatch(cue_env, in_tmp, monkeypatch):
+    """The first Ctrl-C in the middle of a policy phase stops that iteration at its next minibatch (issue 33; issue 21
+    made it stop at the iteration's end, before that at the phase's end): the iteration in flight is dropped, the
+    checkpoint is the one before, and nothing of the auxiliary buffer is in it."""
     cue_env(ppg)
-    signal_on_call(monkeypatch, "ppo_update", 4, signal.SIGINT)  # in iteration 4, the first of the second phase
+    signal_on_call(monkeypatch, "ppo_update", 5, signal.SIGINT)  # in iteration 5, the second of the second phase
     with pytest.raises(SystemExit, match="130"):
         ppg.train(ppg.Args(**PHASES))
     (path,) = glob.glob("runs/*/checkpoint.pt")
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["iteration"] == 4 and not any("aux" in key and key != "aux_optimizer" for key in checkpoint)
     rows = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4]  # none of iteration 5
     assert [r["iteration"] for r in rows if "aux/kl" in r] == [3]
 
 
 def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in_tmp, monkeypatch):
-    """SIGTERM in iteration 5 (the second of the second phase): exit 143 after iteration 5. The resumed run keeps the
-    phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9; none after the last); the
-    interrupted phase's auxiliary phase sees only the rollouts collected after the resume (iteration 6's 4), the
-    later one all 12."""
+    """SIGTERM in iteration 6's update (the last of the second phase): exit 143 with iteration 5's checkpoint. The
+    resumed run keeps the phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9; none
+    after the last); the interrupted phase's auxiliary phase sees only the rollouts collected after the resume
+    (iteration 6's 4), the later one all 12."""
     cue_env(ppg)
-    signal_on_call(monkeypatch, "ppo_update", 5)
+    signal_on_call(monkeypatch, "ppo_update", 6)
     with pytest.raises(SystemExit) as stop:
         ppg.train(ppg.Args(**PHASES))
     assert stop.value.code == 143
