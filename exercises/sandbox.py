@@ -125,7 +125,7 @@ def preload_list(files):
 
 
 def child_request(files, requests, limits, uid, preload):
-    """What the child is sent on stdin: file names, limits, and each (file, function)'s cases as INPUTS only."""
+    """What the child reads (results/request.json): file names, limits, each (file, function)'s cases as INPUTS only."""
     return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload,
             "limits": {"memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
                        "cpu_seconds": limits.cpu_seconds, "processes": limits.processes if uid is not None else None},
@@ -197,6 +197,7 @@ class Zygote:
         self.events = {}  # job number -> {"pid": p, "returncode": r} as the zygote reports them
         self.ended = None  # why the zygote is gone, once it is
         self.condition = threading.Condition()
+        self.writing = threading.Lock()  # not the condition: a write that waits must not hold up the reader
         self.numbers = itertools.count()
         self.stderr = open(os.path.join(self.private, "err"), "w+b")
         self.process = subprocess.Popen([sys.executable, "-I", "-B", os.path.join(self.folder, "grader",
@@ -216,7 +217,7 @@ class Zygote:
 
     def send(self, message):
         """One line to the zygote; ZygoteError when it is gone."""
-        with self.condition:
+        with self.writing:
             try:
                 self.process.stdin.write((json.dumps(message) + "\n").encode())
                 self.process.stdin.flush()
