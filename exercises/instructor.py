@@ -577,13 +577,14 @@ def cases_for(seed):
 
 
 # ---------------------------------------------------------------- grading a submission (in its own process)
-def grade_submission(files, exercises, student, secret, limits=None, number=0):
+def grade_submission(files, exercises, student, secret, limits=None, number=0, zygote=None):
     """The whole grade of one student: {exercise: [Result]} and the text report. The student's code runs in a
-    child process (exercises/sandbox.py); the cases, their answers and every point are made here."""
+    child process that `zygote` forks (exercises/sandbox.py; without one, a zygote for this submission alone);
+    the cases, their answers and every point are made here."""
     seed = submission_seed(secret, student)
     start = time.time()
     graded, ended = sandbox.grade(files, exercises, cases_for(seed), limits or sandbox.Limits(),
-                                  sandbox.uid_for(number))
+                                  sandbox.uid_for(number), zygote)
     graded = {exercise: sandbox.weighted(results, EXERCISE_POINTS) for exercise, results in graded.items()}
     seconds = time.time() - start
     lines = [f"student {student}: {', '.join(os.path.basename(f) for f in files)} (hidden cases from seed {seed})"]
@@ -631,14 +632,14 @@ def write_atomic(path, text):
         raise
 
 
-def grade_folder(number, folder, student, exercises, secret, limits):
+def grade_folder(number, folder, student, exercises, secret, limits, zygote):
     """One sub-folder of the batch: (result, report). Should the grader itself fail on a submission, that
     submission gets 0 of the same maximum and the reason; the others are graded all the same."""
     directory = os.path.join(folder, student)
     files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
     chosen = exercises_of(files, exercises)
     try:
-        return grade_submission(files, chosen, student, secret, limits, number)
+        return grade_submission(files, chosen, student, secret, limits, number, zygote)
     except Exception as error:  # a grader bug or a report it cannot read: never the whole class's batch
         reason = f"the grader failed on this submission ({type(error).__name__}: {error}); grade it again alone"
         parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
@@ -655,10 +656,11 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2):
     os.makedirs(out, exist_ok=True)
     warn_if_open(folder, out)
     students = [name for name in sorted(os.listdir(folder)) if os.path.isdir(os.path.join(folder, name))]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    # One zygote for the whole batch: each child is a fork of it, so the interpreter and its imports start once.
+    with sandbox.Zygote() as zygote, concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         graded = list(pool.map(grade_folder, range(len(students)), [folder] * len(students), students,
                                [exercises] * len(students), [secret] * len(students),
-                               [limits] * len(students)))
+                               [limits] * len(students), [zygote] * len(students)))
     rows = []
     columns = list(EXERCISES)
     for student, (result, text) in zip(students, graded):

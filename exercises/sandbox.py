@@ -2,10 +2,14 @@
 (the parent) decides every point.
 
   parent: draws the cases, computes the expected outputs with the references, sends the child the INPUTS only
-  child:  a fresh interpreter (python -I -B) in an empty temporary folder holding a copy of the submission and the
-          public engine (exercises/sandbox_child.py, grading.py, texts.py); no repository on its sys.path, no secret
-          in its argv, environment or files; as root, a uid of its own (no access to the instructor's files, no
-          signal to other processes); limits on wall clock, CPU time, memory, file size and processes
+  zygote: one per batch: a fresh interpreter (python -I -B) in an empty temporary folder holding the public engine
+          (exercises/sandbox_child.py, grading.py, texts.py) and nothing else; no repository on its sys.path, no
+          secret in its argv, environment or files; it imports the standard library, torch, gymnasium, tyro and
+          the engine, as root, and then only forks: it never runs a student's code nor holds a case or a grade
+  child:  per submission, a fork of that pristine zygote (a copy of a freshly started interpreter that never saw
+          the references, the secret or another submission) in a temporary folder holding a copy of the
+          submission; as root, a uid of its own (no access to the instructor's files, no signal to other
+          processes, the zygote included); limits on wall clock, CPU time, memory, file size and processes
   back:   one JSON line per observed case (outputs as arrays, dtypes, devices, errors): data, never code; the parent
           checks their type and shape and judges them (grading.judge_exercise). A case the child never reported
           (killed at a limit, crashed) scores 0: "timed out".
@@ -16,6 +20,7 @@ unless the repository is private), use the network, and claim anything about its
 step count): only values it could not compute without solving the exercise are out of its reach."""
 import ast
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import numpy as np
 
@@ -119,7 +125,7 @@ def preload_list(files):
 
 
 def child_request(files, requests, limits, uid, preload):
-    """What the child is sent on stdin: file names, limits, and each (file, function)'s cases as INPUTS only."""
+    """What the child reads (results/request.json): file names, limits, each (file, function)'s cases as INPUTS only."""
     return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload,
             "limits": {"memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
                        "cpu_seconds": limits.cpu_seconds, "processes": limits.processes if uid is not None else None},
@@ -131,13 +137,10 @@ def child_request(files, requests, limits, uid, preload):
 
 
 def prepare_folder(files, uid):
-    """A fresh folder: grader/ (the public engine) and submission/ (copies of the student's files), nothing else;
-    as root, owned by the child's uid and closed to everyone else."""
+    """A fresh folder for one submission: submission/ (copies of the student's files), nothing else; as root,
+    owned by the child's uid and closed to everyone else."""
     folder = tempfile.mkdtemp(prefix="sandbox_")
-    os.makedirs(os.path.join(folder, "grader"))
     os.makedirs(os.path.join(folder, "submission"))
-    for name in CHILD_FILES:
-        shutil.copy(os.path.join(HERE, name), os.path.join(folder, "grader", name))
     for path in files:
         shutil.copy(path, os.path.join(folder, "submission", os.path.basename(path)))
     if uid is not None:
@@ -145,6 +148,19 @@ def prepare_folder(files, uid):
             os.chown(directory, uid, uid)
             for name in names:
                 os.chown(os.path.join(directory, name), uid, uid)
+    return folder
+
+
+def engine_folder():
+    """The zygote's folder: grader/ with the public engine only (what the students' bundle holds), readable by
+    all (the children, under their own uids, read its sources for their tracebacks), writable by this user only."""
+    folder = tempfile.mkdtemp(prefix="sandbox_zygote_")
+    os.makedirs(os.path.join(folder, "grader"))
+    for name in CHILD_FILES:
+        shutil.copy(os.path.join(HERE, name), os.path.join(folder, "grader", name))
+        os.chmod(os.path.join(folder, "grader", name), 0o644)
+    os.chmod(os.path.join(folder, "grader"), 0o755)
+    os.chmod(folder, 0o755)
     return folder
 
 
@@ -165,52 +181,159 @@ def kill_all_of(uid, group):
         subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=30)
 
 
-def run_child(files, requests, limits, uid=None):
-    """Run one submission's child; returns (its JSON lines, how it ended: "ok", "timed out", or the last line of
-    its stderr). The results come through a file this process opened (the child holds only the descriptor), read
-    after the child has ended."""
+class ZygoteError(RuntimeError):
+    """The zygote ended or stopped answering: no submission can be graded with it."""
+
+
+class Zygote:
+    """One pristine interpreter per batch that forks a child per submission (exercises/sandbox_child.py): it
+    imports the standard library, the scripts' imports and the public engine once, as a fresh child did, and
+    never runs a student's code nor sees a case's answer, the secret or a grade. Use it as a context manager;
+    jobs may be started from several threads at once."""
+
+    def __init__(self, files=()):
+        self.folder = engine_folder()
+        self.private = tempfile.mkdtemp(prefix="sandbox_zygote_err_")
+        self.events = {}  # job number -> {"pid": p, "returncode": r} as the zygote reports them
+        self.ended = None  # why the zygote is gone, once it is
+        self.condition = threading.Condition()
+        self.writing = threading.Lock()  # not the condition: a write that waits must not hold up the reader
+        self.numbers = itertools.count()
+        self.stderr = open(os.path.join(self.private, "err"), "w+b")
+        self.process = subprocess.Popen([sys.executable, "-I", "-B", os.path.join(self.folder, "grader",
+                                                                              "sandbox_child.py")],
+                                        cwd=self.folder, env=child_environment(self.folder), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.stderr, start_new_session=True,
+                                        close_fds=True)
+        self.reader = threading.Thread(target=self.read_events, daemon=True)
+        self.reader.start()
+        self.send({"preload": preload_list(files)})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def send(self, message):
+        """One line to the zygote; ZygoteError when it is gone."""
+        with self.writing:
+            try:
+                self.process.stdin.write((json.dumps(message) + "\n").encode())
+                self.process.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                raise ZygoteError(f"the sandbox's zygote process is gone ({self.why_ended()})") from None
+
+    def read_events(self):
+        """The reader thread: record each pid and exit status the zygote reports; at its end, wake every waiter."""
+        for line in self.process.stdout:
+            try:
+                message = json.loads(line)
+                job = message["job"]
+            except (ValueError, KeyError, TypeError):
+                continue  # its "ready" line
+            with self.condition:
+                self.events.setdefault(job, {}).update(message)
+                self.condition.notify_all()
+        self.process.wait()
+        with self.condition:
+            self.ended = self.why_ended()
+            self.condition.notify_all()
+
+    def why_ended(self):
+        """The zygote's exit status and the last line of its stderr."""
+        self.stderr.flush()
+        with open(os.path.join(self.private, "err"), "rb") as f:
+            tail = f.read()[-2000:].decode("utf-8", errors="replace").strip().splitlines()
+        status = self.process.poll()
+        last = f": {tail[-1]}" if tail else ""
+        return f"status {status}{last}" if status is not None else f"still running{last}"
+
+    def start(self, folder, results):
+        """Ask for a child on `folder` (results/request.json holds its request); returns the job's number."""
+        number = next(self.numbers)
+        self.send({"job": number, "folder": folder, "results": results})
+        return number
+
+    def wait_for(self, number, key, deadline):
+        """The job's `key` ("pid" or "returncode") once reported, or None at `deadline` (time.monotonic()).
+        ZygoteError when the zygote ended without reporting it."""
+        with self.condition:
+            while key not in self.events.get(number, {}):
+                if self.ended is not None:
+                    raise ZygoteError(f"the sandbox's zygote process ended ({self.ended})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.condition.wait(left)
+            return self.events[number][key]
+
+    def forget(self, number):
+        """Drop a finished job's events."""
+        with self.condition:
+            self.events.pop(number, None)
+
+    def close(self):
+        """End the zygote (it exits once its input ends and its children are reaped) and remove its folders."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.reader.join(timeout=30)
+        self.stderr.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.private, ignore_errors=True)
+
+
+def run_child(files, requests, limits, uid, zygote):
+    """Run one submission's child, forked by `zygote`; returns (its JSON lines, how it ended: "ok", "timed out", or
+    the last line of its stderr). The results come through a file in a folder only this user may open, read after
+    the child has ended."""
     folder = prepare_folder(files, uid)
-    private = tempfile.mkdtemp(prefix="sandbox_results_")  # the parent's own: the child never learns its name
+    private = tempfile.mkdtemp(prefix="sandbox_results_")  # root's own: the child opens its files before dropping
     try:
-        with open(os.path.join(private, "out"), "w+b") as out, open(os.path.join(private, "err"), "w+b") as err:
-            process = subprocess.Popen([sys.executable, "-I", "-B", os.path.join(folder, "grader", "sandbox_child.py")],
-                                       cwd=os.path.join(folder, "submission"), env=child_environment(folder),
-                                       stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True,
-                                       close_fds=True)
-            request = child_request([os.path.basename(f) for f in files], requests, limits, uid, preload_list(files))
-            ended = send_and_wait(process, request, limits.seconds)
-            kill_all_of(uid, process.pid)
-            out.seek(0)
-            lines = out.read(limits.output_bytes).decode("utf-8", errors="replace").splitlines()
-            err.seek(0)
-            tail = err.read()[-4000:].decode("utf-8", errors="replace").strip().splitlines()
-        if ended == "ok" and process.returncode == -signal.SIGXCPU:
+        request = child_request([os.path.basename(f) for f in files], requests, limits, uid, preload_list(files))
+        with open(os.path.join(private, "request.json"), "w") as f:
+            json.dump(request, f, allow_nan=True)
+        deadline = time.monotonic() + limits.seconds
+        number = zygote.start(folder, private)
+        try:
+            pid = zygote.wait_for(number, "pid", deadline)
+            if pid is None:
+                raise ZygoteError(f"the sandbox's zygote did not fork a child within {limits.seconds:g} s")
+            returncode = zygote.wait_for(number, "returncode", deadline)
+            ended = "ok"
+            if returncode is None:
+                ended = "timed out"
+                kill_all_of(uid, pid)
+                returncode = zygote.wait_for(number, "returncode", time.monotonic() + 30)
+            kill_all_of(uid, pid)
+        finally:
+            zygote.forget(number)
+        lines = read_file(os.path.join(private, "out"), limits.output_bytes).splitlines()
+        tail = read_file(os.path.join(private, "err"), None)[-4000:].strip().splitlines()
+        if ended == "ok" and returncode == -signal.SIGXCPU:
             ended = "timed out (its CPU time limit)"
-        elif ended == "ok" and process.returncode != 0:
-            ended = tail[-1] if tail else f"the process ended with status {process.returncode}"
+        elif ended == "ok" and returncode != 0:
+            ended = tail[-1] if tail else f"the process ended with status {returncode}"
         return lines, ended
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(private, ignore_errors=True)
 
 
-def send_and_wait(process, request, seconds):
-    """Write the request (from a thread: a child that never reads cannot block us), wait up to `seconds`."""
-    def write():
-        try:
-            process.stdin.write(json.dumps(request, allow_nan=True).encode())
-            process.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
+def read_file(path, size):
+    """Up to `size` bytes of a file the child wrote (all of it for None), as text; '' when it never opened it."""
     try:
-        process.wait(timeout=seconds)
-        return "ok"
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        return "timed out"
+        with open(path, "rb") as f:
+            return f.read(-1 if size is None else size).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 # ---------------------------------------------------------------- reading the child's report as data
@@ -300,9 +423,10 @@ def import_failure(record):
 
 
 # ---------------------------------------------------------------- one submission, graded
-def grade(files, exercises, cases_for, limits, uid=None):
-    """{exercise: [Result]} for one submission, its code observed in a child; plus how the child ended.
-    `cases_for(function)` gives a function's cases (with their expectations: they stay here)."""
+def grade(files, exercises, cases_for, limits, uid=None, zygote=None):
+    """{exercise: [Result]} for one submission, its code observed in a child that `zygote` forks (without one, a
+    zygote of its own, for this submission only); plus how the child ended. `cases_for(function)` gives a
+    function's cases (with their expectations: they stay here)."""
     defined, broken = read_submission(files)
     plans = {exercise: grading.plan_exercise(exercise, defined, cases_for) for exercise in exercises}
     planned = {}
@@ -312,7 +436,12 @@ def grade(files, exercises, cases_for, limits, uid=None):
                 planned[(file, function)] = cases
     requests = {key: cases for key, cases in planned.items() if key[0] not in broken}
     runnable = [path for path in files if os.path.basename(path) not in broken]
-    lines, ended = run_child(runnable, requests, limits, uid) if requests else ([], "ok")
+    lines, ended = [], "ok"
+    if requests and zygote is None:
+        with Zygote(runnable) as own:
+            lines, ended = run_child(runnable, requests, limits, uid, own)
+    elif requests:
+        lines, ended = run_child(runnable, requests, limits, uid, zygote)
     observations, import_errors = read_report(lines, planned)
     not_imported = dict(broken)
     for file, record in import_errors.items():

@@ -1,24 +1,38 @@
-"""The child side of the instructor's sandbox (exercises/sandbox.py): it runs a student's scripts and reports, as
-plain data, what their functions do on the inputs it is sent; it decides nothing.
+"""The child side of the instructor's sandbox (exercises/sandbox.py): a zygote that forks one child per submission;
+each child runs a student's scripts and reports, as plain data, what their functions do on the inputs it is sent;
+it decides nothing.
 
 The parent copies this file, grading.py and texts.py (the public engine, which the students' bundle holds anyway)
-into a fresh temporary folder with a copy of the submission and nothing else, and starts it as
+into a fresh temporary folder and nothing else, and starts it once per batch as
 
-  python -I -B grader/sandbox_child.py        (cwd: the submission's copy; a minimal environment)
+  python -I -B grader/sandbox_child.py        (cwd: that folder; a minimal environment; no secret)
 
-It reads one JSON request from stdin: {"files": [...], "preload": [modules], "uid": u, "limits": {...},
+The zygote reads JSON lines on stdin. The first is {"preload": [modules]}: it imports them (the standard library's
+and the repository scripts' own: torch, gymnasium, tyro, ...; never a student's code) and warms torch up, as root,
+then runs nothing more of its own. Each later line is a job: {"job": n, "folder": its folder (submission/ holds the
+copy of one submission), "results": a folder that only root may open}. For each job the zygote forks; it writes
+{"job": n, "pid": p} on stdout right after the fork and {"job": n, "returncode": r} once it has reaped that child.
+The job's request waits in results/request.json, so that the zygote never holds one (a child could find in its
+copy of the zygote's memory whatever the zygote read): {"files": [...], "preload": [...], "uid": u, "limits": {...},
 "case_seconds": s, "requests": [{"file", "function", "cases": [...]}]}, where a case holds its inputs only (no
-expected outputs, no mistakes' answers). It writes one JSON line per event to what was its stdout: {"file", "loaded"} or {"file", "import_error"}, then
-{"file", "function", "index", "observation"} per case as soon as it is observed, then {"done": true}. The student's
-own prints go to /dev/null. Nothing here is trusted by the parent: whatever this process sends is read as data and
-judged there."""
+expected outputs, no mistakes' answers).
+
+The forked child (a copy-on-write image of the pristine zygote, which never ran a student's code nor held a case
+or a grade) leaves the zygote's pipes and session, opens results/out and results/err as root, then drops to its
+uid and its limits and writes one JSON line per event to results/out: {"file", "loaded"} or {"file",
+"import_error"}, then {"file", "function", "index", "observation"} per case as soon as it is observed, then
+{"done": true}. The student's own prints go to /dev/null. Nothing here is trusted by the parent: whatever a child
+writes is read as data and judged there."""
 import importlib
 import json
 import os
 import resource
+import select
 import sys
+import traceback
 
 GRADER = os.path.dirname(os.path.abspath(__file__))
+POLL_SECONDS = 0.05  # how often the zygote looks for ended children while no job line arrives
 
 
 def set_limits(limits):
@@ -32,14 +46,19 @@ def set_limits(limits):
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
 
 
-def private_channel():
-    """The result channel: a copy of stdout; fd 1 then goes to /dev/null, so that the student's prints (even
-    os.write(1, ...)) cannot interleave with the results."""
-    channel = os.fdopen(os.dup(1), "w", buffering=1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
+def private_channel(results):
+    """The result channel: results/out, opened as root in a folder only root may open (a student cannot swap it
+    for a link or a FIFO that the parent would then read). Descriptors 0 and 1 (the zygote's pipes: a child that
+    wrote there could speak for the zygote) go to /dev/null, 2 to results/err."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    out = os.open(os.path.join(results, "out"), flags, 0o600)
+    err = os.open(os.path.join(results, "err"), flags, 0o600)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for descriptor, target in ((0, devnull), (1, devnull), (2, err)):
+        os.dup2(target, descriptor)
     os.close(devnull)
-    return channel
+    os.close(err)
+    return os.fdopen(out, "w", buffering=1)
 
 
 def preload(modules):
@@ -55,8 +74,10 @@ def preload(modules):
 
 def warm_up():
     """Run what the cases will run once, on our own tensors: torch imports parts of itself on first use (the 'meta'
-    device's kernels, autograd's), which would otherwise count against the student's first case's time."""
+    device's kernels, autograd's), which would otherwise count against the student's first case's time. One
+    thread first: a fork of a process whose OpenMP pool has started can hang in its first parallel region."""
     import torch
+    torch.set_num_threads(1)
     value = torch.ones(3, dtype=torch.float64, requires_grad=True)
     torch.autograd.grad((value * 2).sum(), [value])
     (torch.zeros_like(torch.ones(3, device="meta")) + 1).sum()
@@ -65,23 +86,29 @@ def warm_up():
 
 def drop_to(uid):
     """From root to the submission's own uid and group, for good: no access to the instructor's files, no signal
-    to any other process, and RLIMIT_NPROC counts this submission's processes only."""
+    to any other process (the zygote included), and RLIMIT_NPROC counts this submission's processes only."""
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
 
 
-def main():
-    request = json.load(sys.stdin)
-    channel = private_channel()
-    sys.path.insert(0, GRADER)  # -I leaves the script's folder off sys.path; the engine is next to this file
-    import grading  # noqa: E402
-    preload(request["preload"])
-    warm_up()
-    if request["uid"] is not None:
-        drop_to(request["uid"])
-    set_limits(request["limits"])  # from here on the student's code may run
+def fresh_state(folder):
+    """What a freshly started interpreter of its own would have: HOME and TMPDIR in its folder, new random seeds
+    (a fork shares the zygote's), files private to its uid unless it says otherwise."""
+    import random
+    import tempfile
 
+    import numpy as np
+    os.environ["HOME"] = folder
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # recomputed from TMPDIR on first use
+    random.seed()
+    np.random.seed()
+    os.umask(0o077)
+
+
+def serve(request, channel, grading):
+    """Load the student's files and observe each requested function on its cases; report each event."""
     def send(message):
         channel.write(json.dumps(grading.encode(message), allow_nan=True) + "\n")
 
@@ -106,8 +133,83 @@ def main():
         grading.observe_cases(module, cases, seconds=request["case_seconds"], report=report)
     send({"done": True})
     channel.close()
+
+
+def run_job(job, grading):
+    """The forked child: one submission, start to end; it never returns into the zygote's loop."""
+    try:
+        os.setsid()  # a process group of its own, which the parent kills whole
+        channel = private_channel(job["results"])
+        with open(os.path.join(job["results"], "request.json")) as f:
+            request = json.load(f)
+        fresh_state(job["folder"])
+        os.chdir(os.path.join(job["folder"], "submission"))
+        preload(request["preload"])  # the standard modules this submission imports, loaded by root as before
+        if request["uid"] is not None:
+            drop_to(request["uid"])
+        set_limits(request["limits"])  # from here on the student's code may run
+        serve(request, channel, grading)
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not go on as the zygote
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     os._exit(0)  # no atexit hook of the student's runs (it could not change a grade anyway)
 
 
+def tell(message):
+    """One line to the parent on the zygote's stdout (a single write: lines never interleave)."""
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
+def reap(children):
+    """Report every child that has ended; `children` maps their pids to their jobs."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        job = children.pop(pid, None)
+        if job is not None:
+            tell({"job": job, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def zygote():
+    """Preload, then fork a child per job line until stdin ends and every child has been reaped."""
+    sys.path.insert(0, GRADER)  # -I leaves the script's folder off sys.path; the engine is next to this file
+    import grading  # noqa: E402
+    buffered = b""
+    while b"\n" not in buffered:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return
+        buffered += chunk
+    first, buffered = buffered.split(b"\n", 1)
+    preload(json.loads(first)["preload"])
+    warm_up()
+    tell({"ready": True, "threads": len(os.listdir("/proc/self/task"))})  # 1: safe to fork
+    children = {}
+    open_input = True
+    while open_input or children:
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            job = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                children.clear()  # the other jobs' numbers: nothing this child needs
+                run_job(job, grading)
+            children[pid] = job["job"]
+            tell({"job": job["job"], "pid": pid})
+        if open_input and select.select([0], [], [], POLL_SECONDS)[0]:
+            chunk = os.read(0, 1 << 20)
+            open_input = bool(chunk)
+            buffered += chunk
+        elif not open_input:
+            select.select([], [], [], POLL_SECONDS)
+        reap(children)
+    os._exit(0)  # torch's teardown would only make the parent wait
+
+
 if __name__ == "__main__":
-    main()
+    zygote()

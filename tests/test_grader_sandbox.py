@@ -216,6 +216,57 @@ CRASH = '''
 raise RuntimeError("boom at import")
 '''
 
+# At import: a try to kill the zygote (its parent) where it runs as another uid, then SIGKILL to itself.
+KILLER = '''
+import os as _os
+import signal as _signal
+
+with open(f"/proc/{_os.getppid()}/status") as _f:
+    _parent_uid = [_line.split()[1] for _line in _f if _line.startswith("Uid:")][0]
+if int(_parent_uid) != _os.getuid():  # as root: the zygote is root and this child is not
+    try:
+        _os.kill(_os.getppid(), _signal.SIGKILL)
+    except PermissionError:
+        pass
+_os.kill(_os.getpid(), _signal.SIGKILL)
+'''
+
+# Marks left by one submission's process (a module global of the engine, sys.modules, builtins, the environment,
+# a file in /tmp), and a compute_gae graded later in the same batch that tells which of them it finds.
+TMP_MARKER = f"/tmp/sandbox_marker_{os.getpid()}"
+MARKER_WRITER = ZEROS + f'''
+import builtins as _builtins
+import os as _os
+import types as _types
+
+sys.modules["grading"].SANDBOX_MARKER = True
+sys.modules["sandbox_marker"] = _types.ModuleType("sandbox_marker")
+_builtins.sandbox_marker = True
+_os.environ["SANDBOX_MARKER"] = "1"
+with open({TMP_MARKER!r}, "w") as _f:
+    _f.write("marker")
+'''
+MARKER_SEEKER = f'''
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    import builtins
+    import os
+    found = []
+    if hasattr(sys.modules["grading"], "SANDBOX_MARKER"):
+        found.append("module-global")
+    if "sandbox_marker" in sys.modules:
+        found.append("sys.modules")
+    if hasattr(builtins, "sandbox_marker"):
+        found.append("builtins")
+    if "SANDBOX_MARKER" in os.environ:
+        found.append("environ")
+    try:
+        with open({TMP_MARKER!r}) as f:
+            found.append("tmp-file:" + f.read())
+    except OSError:
+        pass
+    raise RuntimeError("SEEN[" + ",".join(found) + "]")
+'''
+
 
 def submissions():
     """{student: the source of ppo_procgen.py}. Sorted by name, the attackers come before the victim."""
@@ -226,7 +277,8 @@ def submissions():
     return {"a_reference": script + REFERENCE_CALL, "a_patcher": script + PATCHER, "a_rewriter": script + REWRITER,
             "a_snoop": script + SNOOP, "a_lookup": script + lookup_source(), "a_hog": script + HOG,
             "a_loop": script + LOOP, "a_stubborn": script + STUBBORN, "a_crash": script + CRASH,
-            "a_syntax": syntax, "a_missing": missing, "m_correct": script,
+            "a_syntax": syntax, "a_missing": missing, "a_killer": script + KILLER, "a_marker": script + MARKER_WRITER,
+            "m_correct": script, "y_seeker": script + MARKER_SEEKER,
             "z_victim": script + ZEROS + "\n" + MARKER + "\n"}
 
 
@@ -262,6 +314,8 @@ def graded(tmp_path_factory):
     start = time.time()
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=repository, env=environment)
     seconds = time.time() - start
+    if os.path.exists(TMP_MARKER):
+        os.unlink(TMP_MARKER)
     assert result.returncode == 0, result.stdout + result.stderr
     time.sleep(1.5)  # a daemon that survived its child would rewrite grades.csv now
     results = {}
@@ -411,3 +465,38 @@ def test_a_forged_or_malformed_report_scores_nothing_and_stops_nothing():
     assert [r.points for r in results] == [0.0, 0.0, 0.0] and not import_errors
     assert results[0].message.startswith("timed out") and "cannot read" in results[1].message
     assert results[2].message.startswith("timed out")  # the line with a list for a name ended the report
+
+
+def test_a_submission_sees_nothing_that_another_left_in_its_process_or_files(graded):
+    """Each child is a fork of the pristine zygote: what one submission changed in its interpreter (the engine's
+    globals, sys.modules, builtins, os.environ) is not in the next one's; a file it left in /tmp is its uid's
+    alone (umask 077)."""
+    report = graded["reports"]["y_seeker"]
+    seen = report.split("RuntimeError: SEEN[", 1)[1].split("]", 1)[0]
+    found = set(filter(None, seen.split(",")))
+    assert not found & {"module-global", "sys.modules", "builtins", "environ"}, report[:2000]
+    if os.geteuid() == 0:
+        assert not found, report[:2000]
+    assert points(graded, "a_marker") == points(graded, "z_victim")  # it ran: the same zeros, the same grade
+
+
+def test_a_child_that_kills_itself_scores_zero_and_the_batch_goes_on(graded):
+    killer = graded["results"]["a_killer"]
+    assert killer["points"] == 0 and killer["exercises"]["gae"]["max_points"] == 40
+    assert "status -9" in killer["process"], killer["process"]
+    assert points(graded, "m_correct") == EXERCISE_POINTS and points(graded, "y_seeker") < EXERCISE_POINTS
+
+
+def test_a_dead_zygote_fails_the_submission_with_its_reason_and_does_not_hang():
+    from exercises import grading, sandbox
+
+    case = grading.Case("compute_gae", "one", {"rewards": [0.0]}, expected=[None])
+    requests = {("ppo_procgen.py", "compute_gae"): [case]}
+    limits = sandbox.Limits(seconds=60)
+    with sandbox.Zygote() as zygote:
+        zygote.process.kill()
+        zygote.process.wait()
+        start = time.monotonic()
+        with pytest.raises(sandbox.ZygoteError, match="zygote"):
+            sandbox.run_child([os.path.join(ROOT, "ppo_procgen.py")], requests, limits, None, zygote)
+        assert time.monotonic() - start < 30  # it did not wait for the wall-clock limit
