@@ -125,18 +125,13 @@ NEEDS = {
                 "test_preemption": ["test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint"],
                 "test_speed": ["test_fast_path_gives_the_plain_path_losses", "test_benchmark_harness_*",
                                "test_cuda_fast_path_*"],
+                "test_gpu_check": ["test_benchmark_harness_*"],
                 "test_distributed": ["test_torchrun_sigterm_and_resume_end_to_end", "test_a_rank_that_raises_*"]},
     "torchrun": {"test_distributed": ["test_two_ranks_*", "test_torchrun_sigterm_and_resume_end_to_end",
                                       "test_a_rank_that_raises_*"]},
     "cuda": {"test_speed": ["test_cuda_*"], "test_vtrace": ["test_cuda_*"],
              "test_vtrace_learner": ["test_actor_and_learner_on_cuda_streams", "test_cuda_*"]},
 }
-
-
-# Under pytest-xdist's `--dist loadgroup` (the README's command) each file's tests run in one worker, so that a
-# module's shared run is made once; files that share a session's run share a worker too: the GPU check's dry run
-# (tiny_gpu_check), the RLHF toy's and PPG's cue runs (rlhf_tiny_run, ppg_cue_run, read by test_exercises.py).
-SHARED_RUN_GROUPS = {"test_speed": "test_gpu_check", "test_rlhf": "test_exercises", "test_ppg": "test_exercises"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -150,7 +145,6 @@ def pytest_collection_modifyitems(config, items):
         if os.path.dirname(str(item.path)) != tests_dir:
             continue
         stem = os.path.splitext(os.path.basename(str(item.path)))[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_GROUPS.get(stem, stem)))
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         needs = [need for need, table in NEEDS.items() if matches(table, stem, name)]
         if "[" in item.name and "cuda" in item.name.split("[", 1)[1].rstrip("]").split("-"):  # a cuda parameter

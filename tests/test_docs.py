@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-CI_TEST_COMMAND = "pip install -r requirements.txt && python -m pytest -q -n 2 --dist loadgroup tests"  # .ci/run's, after its venv
+CI_TEST_COMMAND = "pip install -r requirements.txt && python -m pytest -q -n 2 --dist loadfile tests"  # .ci/run's, after its venv
 VENVS = ("python3.11 -m venv .venv && . .venv/bin/activate", "python3.12 -m venv .venv && . .venv/bin/activate")
 CPU_TORCH = "pip install torch=={} --index-url https://download.pytorch.org/whl/cpu"
 TYRO_SCRIPTS = {  # script -> (module, dataclass): parsed in-process with tyro.cli(Args, args=argv)
@@ -255,7 +255,7 @@ def test_the_readmes_first_screen_installs_for_the_machine():
     assert text.index(commands[-1]) < 3000, "the install and run blocks are the README's first screen"
     assert "CUDA 13.0 build" in text and "R580 branch or newer" in text  # the GPU block's driver requirement
     assert [line.split("#")[0].strip() for line in commands] == ["python ppg_procgen.py --env-id starpilot",
-                                                                 "python -m pytest -q -n 2 --dist loadgroup tests"]
+                                                                 "python -m pytest -q -n 2 --dist loadfile tests"]
     assert CI_TEST_COMMAND in open(os.path.join(ROOT, ".ci", "run")).read()
     assert len(text.splitlines()) <= 250, "README.md is the front page: at most 250 lines"
 

@@ -275,3 +275,20 @@ def test_every_step_command_parses_at_tiny_and_at_real_flags():
         listing, parsed = parsed_commands(tiny)
         assert len(parsed) == 1 + 1 + 2 + 2 + 1 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
         assert ("--env-id bigfish" in listing) == bool(tiny)
+
+
+def test_benchmark_harness_at_tiny_flags(tiny_gpu_check):  # noqa: F811
+    """bench.py's JSONs of the GPU check's CPU dry run (tests/gpu_bench_commands.py; its tiny runs take one torch thread:
+    these tiny convolutions gain nothing from two, and with other jobs on the cores a team of two runs them many times
+    slower): PPO at its defaults, PPG with its auxiliary phases timed apart."""
+    (ppo,) = json.loads((tiny_gpu_check.out / "ppo.json").read_text())["results"]
+    (ppg,) = json.loads((tiny_gpu_check.out / "ppg.json").read_text())["results"]
+    assert ppo["config"] == "defaults" and ppg["config"] == "n_pi_2"
+    for r in (ppo, ppg):
+        assert r["iterations"] == 2 and 0 < r["sps_min"] <= r["sps_median"] <= r["sps_max"]
+        assert {"env", "rollout", "update"} <= set(r["seconds_per_iteration"])
+        assert 0 <= r["seconds_per_iteration"]["env"] <= r["seconds_per_iteration"]["rollout"]
+        assert r["peak_rss_gb"] > 0.1 and r["peak_gpu_gb"] is None and r["warmup_s"] > 0
+        assert r["sps_ratio_to_first"]["median"] == pytest.approx(1.0)
+    assert ppo["aux_phase_s"] is None and ppo["sps_policy_phase"] is None
+    assert ppg["aux_phase_s"] > 0 and ppg["sps_policy_phase"] > ppg["sps_overall"] > 0  # the phase taken out
