@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -139,16 +140,19 @@ def save_cases(path, cases):
 
 def write_atomic(path, text):
     """`path` written whole or not at all: a temporary file in its folder, flushed and synced, renamed over it."""
-    temporary = f"{path}.tmp"
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                         prefix=f".{os.path.basename(path)}.")
     try:
-        with open(temporary, "w", newline="") as f:
+        with os.fdopen(handle, "w", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)
         os.replace(temporary, path)
-    finally:  # a failed write leaves no temporary file
+    except BaseException:
         if os.path.exists(temporary):
-            os.remove(temporary)
+            os.unlink(temporary)
+        raise
 
 
 def load_cases(function_name, directory=CASES_DIR):

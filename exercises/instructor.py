@@ -25,7 +25,6 @@ import io
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -615,23 +614,6 @@ def exercises_of(files, chosen=None):
     return [exercise for exercise, info in EXERCISES.items() if info["script"] in names]
 
 
-def write_atomic(path, text):
-    """`path` written whole or not at all: a temporary file in its folder, flushed and synced, renamed over it."""
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                         prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(handle, "w", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
 def grade_folder(number, folder, student, exercises, secret, limits, zygote):
     """One sub-folder of the batch: (result, report). Should the grader itself fail on a submission, that
     submission gets 0 of the same maximum and the reason; the others are graded all the same."""
@@ -664,8 +646,8 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2):
     rows = []
     columns = list(EXERCISES)
     for student, (result, text) in zip(students, graded):
-        write_atomic(os.path.join(out, f"{student}.txt"), text + "\n")
-        write_atomic(os.path.join(out, f"{student}.json"), json.dumps(result, indent=1))
+        grading.write_atomic(os.path.join(out, f"{student}.txt"), text + "\n")
+        grading.write_atomic(os.path.join(out, f"{student}.json"), json.dumps(result, indent=1))
         row = {"student": student, "points": result["points"], "max_points": result["max_points"],
                "seconds": result["seconds"]}
         for exercise in columns:
@@ -677,7 +659,7 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2):
     writer = csv.DictWriter(table, fieldnames=["student", "points", "max_points", *columns, "seconds"])
     writer.writeheader()
     writer.writerows(rows)
-    write_atomic(os.path.join(out, "grades.csv"), table.getvalue())
+    grading.write_atomic(os.path.join(out, "grades.csv"), table.getvalue())
     return rows
 
 
@@ -783,7 +765,7 @@ def main(argv=None):
     result, text = grade_submission(options.files, [options.exercise], student, secret, limits)
     print(text)
     if options.json:
-        write_atomic(options.json, json.dumps(result, indent=1))
+        grading.write_atomic(options.json, json.dumps(result, indent=1))
     return 0 if result["points"] == result["max_points"] else 1
 
 
