@@ -1,7 +1,10 @@
 """Shared test helpers: the scripts live at the repo root; CueEnv is a tiny pixel task that a few thousand
 steps of a working algorithm solve on a CPU, used by the learning tests of every Procgen script."""
 import copy
+import fcntl
+import json
 import os
+import shutil
 import sys
 import types
 
@@ -55,6 +58,24 @@ RLHF_TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, r
                  rollout_batch_size=64, eval_samples=256, bon_pool=16)
 
 
+def shared_by_the_workers(tmp_path_factory, name, make):
+    """A folder that `make(folder)` fills once per session, however many pytest-xdist workers ask for it: the first
+    fills it under a file lock in the session's temporary directory, the others wait for it and read it (a session
+    fixture is otherwise made once per worker, and these runs are most of a worker's time)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder; each worker's own is below it
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that died while filling it
+            folder.mkdir()
+            make(folder)
+            (folder / "done").write_text("")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def rlhf_tiny_run(tmp_path_factory):
     """One run of ppo_rlhf_toy.py at RLHF_TINY with --save-model, trained once for the session: test_rlhf.py's end
@@ -62,9 +83,16 @@ def rlhf_tiny_run(tmp_path_factory):
     import ppo_rlhf_toy
 
     args = ppo_rlhf_toy.Args(**RLHF_TINY, save_model=True)
-    workdir = tmp_path_factory.mktemp("rlhf_tiny")
-    summary = train_in(workdir, ppo_rlhf_toy, args)
-    (run_dir,) = list((workdir / "runs").iterdir())
+
+    def make(folder):
+        summary = train_in(folder, ppo_rlhf_toy, args)
+        summary["histories"] = list(summary["histories"].items())  # JSON's keys are strings; these are betas
+        (folder / "summary.json").write_text(json.dumps(summary))
+
+    folder = shared_by_the_workers(tmp_path_factory, "rlhf_tiny", make)
+    summary = json.loads((folder / "summary.json").read_text())
+    summary["histories"] = {beta: history for beta, history in summary["histories"]}
+    (run_dir,) = list((folder / "runs").iterdir())
     return types.SimpleNamespace(args=args, summary=summary, run_dir=run_dir)
 
 
@@ -81,9 +109,13 @@ def ppg_cue_run(tmp_path_factory):
     import ppg_procgen
 
     args = ppg_procgen.Args(**PPG_CUE)
-    workdir = tmp_path_factory.mktemp("ppg_cue")
-    run_dir = os.path.join(workdir, train_in(workdir, ppg_procgen, args, cue_env=True))
-    return types.SimpleNamespace(args=args, run_dir=run_dir)
+
+    def make(folder):
+        train_in(folder, ppg_procgen, args, cue_env=True)
+
+    folder = shared_by_the_workers(tmp_path_factory, "ppg_cue", make)
+    (run_dir,) = list((folder / "runs").iterdir())
+    return types.SimpleNamespace(args=args, run_dir=str(run_dir))
 
 
 # Topic markers for grading subsets (`pytest -m gae tests`; the markers are registered in pytest.ini), assigned by

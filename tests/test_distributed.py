@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ROOT
 
+import forked_run
 import ppg_procgen
 import ppo_procgen
 import vtrace
@@ -82,8 +83,7 @@ def test_torchrun_sigterm_and_resume_end_to_end(script, in_tmp):
     with open(os.path.join(run_dir, "weights_rank0.txt")) as f0, open(os.path.join(run_dir, "weights_rank1.txt")) as f1:
         assert f0.read() == f1.read()  # the ranks' weights are bitwise identical after training
 
-    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--resume", path], capture_output=True,
-                            text=True, timeout=120)
+    result = forked_run.run(os.path.join(ROOT, script), "--resume", path, timeout=120)  # one process
     assert result.returncode != 0 and result.stderr.strip().splitlines() == [
         f"error: --resume {path} was written by 2 ranks: resume it with as many (torchrun --nproc-per-node 2)"]
 

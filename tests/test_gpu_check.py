@@ -1,8 +1,9 @@
 """The GPU check (benchmarks/gpu_bench.sh -> gpu_check.py, gpu_preflight.py, gpu_pytest_log.py, bench.py) on the CPU:
-its budgets add up in the order of value; one dry run at tiny flags (shared with tests/test_speed.py) runs the first
-five steps into at most 8 whole files; the whole table at a scaled deadline gives every step its budget or "no time",
-injects a failure, flags a failed and a stopped learning run and packs the runs as they end; a cut pytest still reports
-the tests that ran; .whl/ is checked before anything runs. The real run needs the lent GPU machine."""
+its budgets add up in the order of value; one dry run at tiny flags (started with the module, read by its last two
+tests) runs the first five steps into at most 8 whole files; the whole table at a scaled deadline gives every step its
+budget or "no time", injects a failure, flags a failed and a stopped learning run and packs the runs as they end; a cut
+pytest still reports the tests that ran; .whl/ is checked before anything runs. The real run needs the lent GPU
+machine."""
 import json
 import os
 import re
@@ -13,7 +14,8 @@ import tarfile
 import conftest
 import pytest
 from conftest import ROOT
-from gpu_bench_commands import gpu_bench, parsed_commands, tiny_gpu_check  # noqa: F401 -- a session fixture
+from gpu_bench_commands import gpu_bench, parsed_commands, tiny_gpu_check, tiny_gpu_check_started  # noqa: F401
+# (the last two are session fixtures)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
@@ -21,6 +23,12 @@ import gpu_check  # noqa: E402
 
 ORDER = ["preflight", "ppo-speed", "ppg-speed", "learning", "results", "ppo-fast", "impala-speed", "nccl",
          "cuda-tests"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dry_run_in_the_background(tiny_gpu_check_started):  # noqa: F811
+    """The shared dry run starts with this module, before its first test: it runs while the other tests do (the
+    scaled-deadline test waits out its budgets: 20 s of sleeping stand-ins); the last two tests read it."""
 
 
 def settings_in(tmp_path, **changes):
@@ -49,35 +57,6 @@ def test_the_budgets_add_up_in_the_order_of_value(tmp_path):
     with open(os.path.join(ROOT, "docs", "speed.md")) as f:
         rows = re.findall(r"^\| ([a-z-]+) \| (\d+) / (\d+) \|", f.read(), re.MULTILINE)
     assert [(name, int(need), int(budget)) for name, need, budget in rows] == gpu_check.TABLE
-
-
-def test_the_dry_run_reports_every_step_into_at_most_8_whole_files(tiny_gpu_check):  # noqa: F811
-    run = tiny_gpu_check
-    assert [step["name"] for step in run.summary["steps"]] == ORDER
-    # Only the preflight fails (no CUDA here), and the exit status says so.
-    assert [name for name, step in run.steps.items() if step["status"] not in ("ok", "skipped")] == ["preflight"]
-    assert run.finished.returncode == 1, run.finished.stdout[-3000:]
-    # On this CPU the preflight finds everything but CUDA, says so in one line, and the dry run goes on.
-    preflight = run.steps["preflight"]
-    assert preflight["status"] == "failed" and preflight["exit_code"] == 2
-    assert preflight["missing"].startswith("missing: CUDA:") and ";" not in preflight["missing"]
-    assert preflight["report"]["procgen_step"] == "ok" and preflight["report"]["packages"]["procgen-mirror"]
-    assert "preflight: missing: CUDA:" in run.log
-    for name in ("ppo-speed", "ppg-speed"):
-        assert run.steps[name]["status"] == "ok" and run.steps[name]["results"][0]["sps_median"] > 0
-    learning = run.steps["learning"]
-    assert learning["status"] == "ok", run.finished.stdout[-3000:]
-    assert {name: r["status"] for name, r in learning["runs"].items()} == {"ppo_procgen": "ok", "ppg_procgen": "ok"}
-    assert learning["seconds"] <= learning["budget_s"]
-    assert run.steps["results"]["status"] == "ok" and run.steps["results"]["on_track"]
-    assert all(run.steps[name]["reason"] == "not selected (--steps)" for name in ORDER[5:])
-    assert run.files == sorted(["gpu_bench.log", "summary.json", "ppo.json", "ppg.json", "learning.tar.gz",
-                                "bigfish_easy.png", "aggregate.md"])
-    assert run.summary["files"] == run.files  # its last rewrite lists them all
-    with tarfile.open(run.out / "learning.tar.gz") as archive:
-        names = archive.getnames()
-    assert sum(name.endswith("/metrics.jsonl") for name in names) == 2
-    assert {"ppo_procgen.log", "ppg_procgen.log", "results/aggregate.md"} <= set(names)
 
 
 def learning_runs(out):
@@ -275,6 +254,35 @@ def test_every_step_command_parses_at_tiny_and_at_real_flags():
         listing, parsed = parsed_commands(tiny)
         assert len(parsed) == 1 + 1 + 2 + 2 + 1 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
         assert ("--env-id bigfish" in listing) == bool(tiny)
+
+
+def test_the_dry_run_reports_every_step_into_at_most_8_whole_files(tiny_gpu_check):  # noqa: F811
+    run = tiny_gpu_check
+    assert [step["name"] for step in run.summary["steps"]] == ORDER
+    # Only the preflight fails (no CUDA here), and the exit status says so.
+    assert [name for name, step in run.steps.items() if step["status"] not in ("ok", "skipped")] == ["preflight"]
+    assert run.finished.returncode == 1, run.finished.stdout[-3000:]
+    # On this CPU the preflight finds everything but CUDA, says so in one line, and the dry run goes on.
+    preflight = run.steps["preflight"]
+    assert preflight["status"] == "failed" and preflight["exit_code"] == 2
+    assert preflight["missing"].startswith("missing: CUDA:") and ";" not in preflight["missing"]
+    assert preflight["report"]["procgen_step"] == "ok" and preflight["report"]["packages"]["procgen-mirror"]
+    assert "preflight: missing: CUDA:" in run.log
+    for name in ("ppo-speed", "ppg-speed"):
+        assert run.steps[name]["status"] == "ok" and run.steps[name]["results"][0]["sps_median"] > 0
+    learning = run.steps["learning"]
+    assert learning["status"] == "ok", run.finished.stdout[-3000:]
+    assert {name: r["status"] for name, r in learning["runs"].items()} == {"ppo_procgen": "ok", "ppg_procgen": "ok"}
+    assert learning["seconds"] <= learning["budget_s"]
+    assert run.steps["results"]["status"] == "ok" and run.steps["results"]["on_track"]
+    assert all(run.steps[name]["reason"] == "not selected (--steps)" for name in ORDER[5:])
+    assert run.files == sorted(["gpu_bench.log", "summary.json", "ppo.json", "ppg.json", "learning.tar.gz",
+                                "bigfish_easy.png", "aggregate.md"])
+    assert run.summary["files"] == run.files  # its last rewrite lists them all
+    with tarfile.open(run.out / "learning.tar.gz") as archive:
+        names = archive.getnames()
+    assert sum(name.endswith("/metrics.jsonl") for name in names) == 2
+    assert {"ppo_procgen.log", "ppg_procgen.log", "results/aggregate.md"} <= set(names)
 
 
 def test_benchmark_harness_at_tiny_flags(tiny_gpu_check):  # noqa: F811

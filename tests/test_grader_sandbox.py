@@ -308,7 +308,7 @@ def graded(tmp_path_factory):
     folder, out = str(base / "submissions"), str(base / "grades")
     write_submissions(folder)
     command = [sys.executable, os.path.join(repository, "exercises", "instructor.py"), "batch", folder,
-               "--exercises", "gae", "--secret", SECRET, "--out", out, "--jobs", "2", "--cpu-seconds", "8",
+               "--exercises", "gae", "--secret", SECRET, "--out", out, "--jobs", "2", "--cpu-seconds", "4",
                "--case-seconds", "2", "--seconds", "120"]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
     start = time.time()

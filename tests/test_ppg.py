@@ -6,7 +6,6 @@ import json
 import os
 import resource
 import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, CueEnv
 
+import forked_run
 import ppg_procgen as ppg
 import ppo_procgen as ppo
 
@@ -296,8 +296,8 @@ def test_normed_init_scales_follow_the_ppg_code(channels):
 
 
 def run_script(*flags):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "ppg_procgen.py"), *flags], capture_output=True,
-                          text=True, timeout=300)
+    """`python ppg_procgen.py FLAGS`, forked from a server that has imported torch (tests/forked_run.py)."""
+    return forked_run.run(os.path.join(ROOT, "ppg_procgen.py"), *flags, timeout=300)
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])

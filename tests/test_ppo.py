@@ -13,11 +13,12 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, CueEnv
+from conftest import ROOT
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 import exercises.references
+import forked_run
 import ppo_procgen as ppo
 
 # Columns of every per-iteration row of runs/<run>/metrics.jsonl (documented in docs/ppo.md).
@@ -124,8 +125,7 @@ def test_invalid_env_name_is_an_error_not_an_abort():
 ])
 def test_bad_flags_fail_at_once_with_one_line(flags, message, in_tmp):
     start = time.time()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(*flags, timeout=120)
     assert result.returncode != 0 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not os.path.exists("runs") and time.time() - start < 60
@@ -282,23 +282,22 @@ def test_nonfinite_loss_saves_a_checkpoint_and_stops(monkeypatch, in_tmp):
 
 
 def run_script(*flags, timeout=240):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags], capture_output=True,
-                          text=True, timeout=timeout)
+    """`python ppo_procgen.py FLAGS`, forked from a server that has imported torch (tests/forked_run.py)."""
+    return forked_run.run(os.path.join(ROOT, "ppo_procgen.py"), *flags, timeout=timeout)
 
 
 def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     """A real run: metrics and checkpoint; SIGTERM (as SLURM or torchrun send it) saves and exits 143; --resume
     finishes the same total; --eval-only loads."""
     flags = [*TINY, "--total-timesteps", str(32 * 60), "--save-model", "--save-every", "1"]
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_procgen.py"), *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = forked_run.ForkedRun(os.path.join(ROOT, "ppo_procgen.py"), flags)
     deadline = time.time() + 120
     while not glob.glob("runs/*/checkpoint.pt"):
         assert time.time() < deadline and process.poll() is None
         time.sleep(0.2)
     time.sleep(1.0)
     process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=60)[0]
+    output = "".join(process.communicate(timeout=60))
     assert process.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM: saved iteration" in output, output
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
@@ -459,7 +458,7 @@ def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch
         return real_adapt(kl_beta, kl, target_kl)
     monkeypatch.setattr(ppo, "ppo_update", update)
     monkeypatch.setattr(ppo, "adapt_kl_beta", adapt)
-    run_dir = ppo.train(cue_args(ppo, policy_loss="kl-penalty", target_kl=0.01, total_timesteps=1024))
+    run_dir = ppo.train(cue_args(ppo, policy_loss="kl-penalty", target_kl=0.01, num_steps=8, total_timesteps=256))
     assert fed == [stats["kl_after"] for stats in measured] and fed != [stats["kl"] for stats in measured]
     rows = [row for row in read_rows(run_dir) if "losses/kl_after" in row]
     assert [row["losses/kl_after"] for row in rows] == pytest.approx(fed) and len(rows) == 2
@@ -550,7 +549,7 @@ def test_cuda_flag_without_a_gpu_warns_once(cue_env, in_tmp, monkeypatch, capsys
     --no-cuda: no warning."""
     cue_env(ppo)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = cue_args(ppo, total_timesteps=512)
+    args = cue_args(ppo, num_steps=8, total_timesteps=128)  # one iteration
     ppo.train(args)
     warning = ("warning: --cuda is on but no CUDA GPU is usable (torch.cuda.is_available() is False); running on "
                "the CPU")
@@ -564,7 +563,7 @@ def test_resume_takes_the_checkpoints_flags_before_checking_them(cue_env, in_tmp
     in RUNTIME_FLAGS is ignored (here a --total-timesteps below one default iteration), and an error names the run's
     own numbers (its --num-envs 16, not the default 64)."""
     cue_env(ppo)
-    run_dir = ppo.train(cue_args(ppo, total_timesteps=1024, save_model=True))
+    run_dir = ppo.train(cue_args(ppo, num_steps=8, total_timesteps=256, save_model=True))  # two iterations
     path = os.path.join(run_dir, "checkpoint.pt")
     assert ppo.train(ppo.Args(resume=path, total_timesteps=160, torch_threads=1)) == os.path.dirname(
         os.path.abspath(path))

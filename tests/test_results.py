@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+import forked_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import results  # noqa: E402
@@ -209,18 +211,19 @@ TINY_RUNS = {  # a few seconds each on a 2-core CPU; PPG in hard mode, so that i
     "vtrace.py": ["--num-envs", "4", "--unroll-length", "8", "--updates-per-iteration", "2", "--total-timesteps",
                   "192", "--deterministic-lag"],
 }
-COMMON = ["--eval-every", "1", "--eval-episodes", "2", "--torch-threads", "1", "--env-threads", "1"]
+COMMON = ["--eval-every", "1", "--eval-episodes", "2", "--channels", "4", "--hidden-size", "8", "--torch-threads", "1",
+          "--env-threads", "1"]
 
 
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory):
-    """runs/ of one tiny real run of each Procgen script (started together, a few seconds each)."""
+    """runs/ of one tiny real run of each Procgen script (started together, a few seconds each; forked from a server
+    that has imported torch, tests/forked_run.py)."""
     folder = tmp_path_factory.mktemp("real_runs")
-    processes = {script: subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags, *COMMON], cwd=folder,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    processes = {script: forked_run.ForkedRun(os.path.join(ROOT, script), [*flags, *COMMON], cwd=str(folder))
                  for script, flags in TINY_RUNS.items()}
     for script, process in processes.items():
-        output = process.communicate(timeout=300)[0]
+        output = "".join(process.communicate(timeout=300))
         assert process.returncode == 0, f"{script}: {output[-3000:]}"
     return folder / "runs"
 
