@@ -27,54 +27,46 @@ def gpu_bench(out, tmp_dir, **environment):
 
 
 def start_gpu_bench(out, tmp_dir, **environment):
-    """gpu_bench's command, started: the running process, its output going to a file in tmp_dir."""
+    """gpu_bench's command, started: (the running process, the file in tmp_dir that its output goes to)."""
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_TINY": "1", "TMPDIR": str(tmp_dir),
            "WHEELS": "none", **environment}
     output = open(os.path.join(tmp_dir, "gpu_bench.output"), "w+")  # a file: a pipe nobody reads yet could fill
     process = subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
                                stdout=output, stderr=subprocess.STDOUT, text=True)
-    process.output = output
-    return process
+    return process, output
 
 
-def finish_gpu_bench(process, out):
+def finish_gpu_bench(started, out):
     """What gpu_bench returns, once the started process has ended."""
+    process, output = started
     try:
         returncode = process.wait(timeout=600)
     finally:
         process.kill()
-    process.output.seek(0)
-    finished = subprocess.CompletedProcess(process.args, returncode, process.output.read(), "")
-    process.output.close()
+    with output:
+        output.seek(0)
+        finished = subprocess.CompletedProcess(process.args, returncode, output.read(), "")
     summary = json.loads((out / "summary.json").read_text())
     log = (out / "gpu_bench.log").read_text()
     return finished, summary, sorted(os.listdir(out)), log
 
 
-DRY_RUNS = {}  # the session's one dry run: a fixture imported into two test modules is two fixtures
-
-
 @pytest.fixture(scope="session")
 def tiny_gpu_check_started(tmp_path_factory):
-    """The dry run behind tiny_gpu_check, started (test_gpu_check.py starts it with the module, so that it runs while
-    the module's scaled-deadline test waits out its budgets)."""
-    if "started" not in DRY_RUNS:
-        tmp_dir = tmp_path_factory.mktemp("gpu_check")
-        DRY_RUNS["started"] = (tmp_dir, start_tiny_dry_run(tmp_dir))
-    return DRY_RUNS["started"]
+    """The dry run behind tiny_gpu_check, started: (its folder, what start_gpu_bench returned). test_gpu_check.py
+    starts it with the module, so that it runs while the module's other tests do."""
+    tmp_dir = tmp_path_factory.mktemp("gpu_check")
+    return tmp_dir, start_tiny_dry_run(tmp_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpu_check(tiny_gpu_check_started):
     """One CPU dry run of the check's first five steps, for every test that reads it (see start_tiny_dry_run)."""
-    if "tiny" not in DRY_RUNS:
-        tmp_dir, process = tiny_gpu_check_started
-        out = tmp_dir / "out"
-        finished, summary, files, log = finish_gpu_bench(process, out)
-        steps = {step["name"]: step for step in summary["steps"]}
-        DRY_RUNS["tiny"] = types.SimpleNamespace(finished=finished, summary=summary, steps=steps, files=files,
-                                                 log=log, out=out)
-    return DRY_RUNS["tiny"]
+    tmp_dir, started = tiny_gpu_check_started
+    out = tmp_dir / "out"
+    finished, summary, files, log = finish_gpu_bench(started, out)
+    steps = {step["name"]: step for step in summary["steps"]}
+    return types.SimpleNamespace(finished=finished, summary=summary, steps=steps, files=files, log=log, out=out)
 
 
 def start_tiny_dry_run(tmp_dir):

@@ -14,8 +14,8 @@ import tarfile
 import conftest
 import pytest
 from conftest import ROOT
+# tiny_gpu_check and tiny_gpu_check_started: session fixtures
 from gpu_bench_commands import gpu_bench, parsed_commands, tiny_gpu_check, tiny_gpu_check_started  # noqa: F401
-# (the last two are session fixtures)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
