@@ -10,10 +10,12 @@ import functools
 import glob
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import signal
 import sys
+import threading
 
 import torch
 
@@ -149,15 +151,24 @@ def run_child(context, script, flags, workdir, fault):
     return run_child_process(context, child, (script, flags, workdir, fault))
 
 
+# A forkserver child's exit status comes once, down a pipe, to whichever thread reads it first, and Process.start()
+# reads those of every other running child (multiprocessing.process._cleanup): a thread that reads after another one
+# gets EOF, which multiprocessing reports as 255. test_faults.py runs two campaigns in two threads (255 for a child
+# that exited 143: seen in the suite, 3 of 600 children in a stress run), so the reads take turns.
+STATUS_LOCK = threading.Lock()
+
+
 def run_child_process(context, target, args, kill_after=None):
     """target(*args) in a child; SIGKILLed from outside after `kill_after` seconds if still running. Returns its
     exit code."""
     process = context.Process(target=target, args=args)
-    process.start()
-    process.join(kill_after)
-    if process.exitcode is None:
-        os.kill(process.pid, signal.SIGKILL)
-    process.join()
+    with STATUS_LOCK:
+        process.start()
+    if not multiprocessing.connection.wait([process.sentinel], kill_after):
+        os.kill(process.pid, signal.SIGKILL)  # still running: its status is not in the pipe yet
+    multiprocessing.connection.wait([process.sentinel])
+    with STATUS_LOCK:
+        process.join()
     return process.exitcode
 
 
