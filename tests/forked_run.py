@@ -23,8 +23,12 @@ import fault_driver
 
 
 def script_main(script, argv, cwd, environment, stdout_path, stderr_path):
-    """The child: `python script *argv` in `cwd` with `environment`, its output in the two files."""
+    """The child: `python script *argv` in `cwd` with `environment`, its output in the two files (stderr_path None:
+    both in the first, as subprocess's stderr=STDOUT)."""
     for fd, path in ((1, stdout_path), (2, stderr_path)):
+        if path is None:
+            os.dup2(1, 2)
+            continue
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(file, fd)
         os.close(file)
@@ -42,12 +46,15 @@ def script_main(script, argv, cwd, environment, stdout_path, stderr_path):
 class ForkedRun:
     """The running script, with the part of subprocess.Popen's interface the tests use."""
 
-    def __init__(self, script, argv, cwd=None, env=None):
+    def __init__(self, script, argv, cwd=None, env=None, stderr_to_stdout=False):
         self.output_folder = tempfile.mkdtemp(prefix="forked_run_")
-        self.paths = [os.path.join(self.output_folder, name) for name in ("stdout", "stderr")]
+        self.paths = [os.path.join(self.output_folder, "stdout")]
+        if not stderr_to_stdout:
+            self.paths.append(os.path.join(self.output_folder, "stderr"))
         environment = dict(os.environ if env is None else env)
+        stderr_path = None if stderr_to_stdout else self.paths[1]
         self.process = fault_driver.forkserver().Process(
-            target=script_main, args=(script, list(argv), cwd or os.getcwd(), environment, *self.paths))
+            target=script_main, args=(script, list(argv), cwd or os.getcwd(), environment, self.paths[0], stderr_path))
         self.process.start()
         self.pid = self.process.pid
         self.returncode = None
@@ -71,7 +78,8 @@ class ForkedRun:
         self.process.kill()
 
     def communicate(self, timeout=None):
-        """(stdout, stderr) once it ends; killed after `timeout` seconds, as subprocess.run does."""
+        """(stdout, stderr) once it ends (stderr None if it went to stdout); killed after `timeout` seconds, as
+        subprocess.run does."""
         try:
             self.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -84,7 +92,7 @@ class ForkedRun:
                 texts.append(f.read())
             os.remove(path)
         os.rmdir(self.output_folder)
-        return tuple(texts)
+        return (*texts, None)[:2]
 
 
 def run(script, *argv, cwd=None, env=None, timeout=240):

@@ -1,5 +1,6 @@
 """Runs a training script under torchrun for tests/test_distributed.py:
     python -m torch.distributed.run --nproc-per-node 2 tests/torchrun_driver.py SCRIPT.py [flags]
+(or tests/torchrun_forked.py in place of `python -m torch.distributed.run`: the same, with the ranks forked).
 Test-only hooks, by environment variable: CUE_ENV=1 swaps Procgen for CueEnv (as the cue_env fixture does);
 FAIL_RANK=r with FAIL_FUNCTION=name makes that rank's module function raise on its second call; WAIT_FOR_SIGNAL=1
 makes each rank's first stop check after its first checkpoint wait (up to 120 s) for the test's signal, so that a
@@ -16,7 +17,7 @@ import tyro
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]
-from conftest import CueEnv  # noqa: E402
+from exercises.cue_env import CueEnv  # noqa: E402 (not conftest's: a rank needs no pytest)
 
 module = importlib.import_module(os.path.splitext(sys.argv[1])[0])
 rank = int(os.environ["RANK"])
