@@ -247,15 +247,21 @@ def cue_args(module, **overrides):
     return module.Args(**{**base, **overrides})
 
 
+# 20 iterations of 128 steps: the clip (or the KL penalty) bounds how far one iteration moves the policy, so the number
+# of iterations, more than of steps, is what learning the cue takes. Final evaluations over seeds 1-3 and the three
+# variants below: 6.6-7.8 here; 4.2-6.8 at cue_args' 12 iterations of 512 steps, in twice the time.
+CUE_LEARNING = dict(num_steps=8, num_minibatches=1, total_timesteps=20 * 128)
+
+
 @pytest.mark.parametrize("variant", [{}, {"policy_loss": "kl-penalty", "target_kl": 0.01}, {"amp": True}])
 def test_ppo_learns_the_cue_task(variant, cue_env, in_tmp):
     """The real training loop on a pixel task: random play earns 8/15 ~ 0.53 per episode, a solved task 8. PPO-clip,
     PPO-penalty (adaptive beta) and PPO-clip with bfloat16 autocast (--amp, here on the CPU) all learn it."""
     cue_env(ppo)
-    rows = read_rows(ppo.train(cue_args(ppo, **variant)))
+    rows = read_rows(ppo.train(cue_args(ppo, **CUE_LEARNING, **variant)))
     train_returns = [r["charts/episodic_return"] for r in rows if r.get("charts/episodic_return") is not None]
     assert np.mean(train_returns[:2]) < 1.5
-    assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]
+    assert rows[-1]["eval/episodic_return"] > 5.0, rows[-1]
 
 
 def test_same_seed_same_run_on_cpu(in_tmp):
