@@ -7,11 +7,13 @@ In the child the script runs as `__main__` (runpy) with its own argv, working di
 interpreter would run it; stdout and stderr go to files, and the exit status is the interpreter's: SystemExit's code
 (a message: printed, status 1), 1 and a traceback for any other exception, minus the signal that killed it. Signals
 reach it as they would reach `python SCRIPT`. The interpreter's own start is the one thing not covered: the runs whose
-command line is the point still start `python` (test_docs.py's runs of the commands the docs quote, torchrun, the
-batch shell of test_preemption.py, the GPU check's dry run, the grader's sandbox).
+command line is the point still start `python` (test_docs.py's runs of the commands the docs quote, two of
+test_distributed.py's torchrun launches, the batch shell of test_preemption.py, the GPU check's dry run, the grader's
+sandbox).
 
 Used for the scripts' command lines in test_ppo.py, test_ppg.py, test_vtrace_learner.py, test_distributed.py (a
-one-process resume of a two-rank checkpoint) and test_results.py (its real runs)."""
+one-process resume of a two-rank checkpoint, and tests/torchrun_forked.py, torchrun with forked ranks) and
+test_results.py (its real runs)."""
 import atexit
 import os
 import runpy
@@ -22,7 +24,7 @@ import tempfile
 import fault_driver
 
 
-def script_main(script, argv, cwd, environment, stdout_path, stderr_path):
+def script_main(script, argv, cwd, environment, stdout_path, stderr_path=None):
     """The child: `python script *argv` in `cwd` with `environment`, its output in the two files (stderr_path None:
     both in the first, as subprocess's stderr=STDOUT)."""
     for fd, path in ((1, stdout_path), (2, stderr_path)):
@@ -52,9 +54,8 @@ class ForkedRun:
         if not stderr_to_stdout:
             self.paths.append(os.path.join(self.output_folder, "stderr"))
         environment = dict(os.environ if env is None else env)
-        stderr_path = None if stderr_to_stdout else self.paths[1]
         self.process = fault_driver.forkserver().Process(
-            target=script_main, args=(script, list(argv), cwd or os.getcwd(), environment, self.paths[0], stderr_path))
+            target=script_main, args=(script, list(argv), cwd or os.getcwd(), environment, *self.paths))
         self.process.start()
         self.pid = self.process.pid
         self.returncode = None
@@ -92,7 +93,9 @@ class ForkedRun:
                 texts.append(f.read())
             os.remove(path)
         os.rmdir(self.output_folder)
-        return (*texts, None)[:2]
+        if len(texts) == 1:
+            texts.append(None)  # stderr went to stdout
+        return tuple(texts)
 
 
 def run(script, *argv, cwd=None, env=None, timeout=240):
