@@ -3,8 +3,8 @@
 is `torchrun ... SCRIPT.py [flags]` (torch.distributed.run's own parser, configuration, elastic agent, signal handling
 and exit status) except for how a rank starts: forked from this process, which runs SCRIPT as `__main__` with its
 argv, instead of a new `python -u SCRIPT`. tests/forked_run.py forks this process from its server, which has imported
-torch, torch._dynamo and the scripts: a launch then costs no interpreter start-ups (3-4 s of CPU for the agent and
-each rank on a 2-core machine). The real command line, `python -m torch.distributed.run`, starts the ranks in
+torch, torch._dynamo and the scripts: a launch then costs no interpreter start-ups (2-5 s of CPU each for the agent
+and the ranks on a 2-core machine). The real command line, `python -m torch.distributed.run`, starts the ranks in
 test_distributed.py's other two torchrun tests."""
 import os
 import runpy
@@ -30,4 +30,5 @@ def config_with_forked_ranks(args):
 if __name__ == "__main__":
     config_from_args = torch.distributed.run.config_from_args
     torch.distributed.run.config_from_args = config_with_forked_ranks
-    torch.distributed.run.main(["--start-method", "fork", *sys.argv[1:]])  # a function's ranks start so
+    # torchrun starts a function's ranks with multiprocessing: forked, not spawned (a fresh interpreter)
+    torch.distributed.run.main(["--start-method", "fork", *sys.argv[1:]])
