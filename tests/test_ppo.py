@@ -296,14 +296,14 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     """A real run: metrics and checkpoint; SIGTERM (as SLURM or torchrun send it) saves and exits 143; --resume
     finishes the same total; --eval-only loads."""
     flags = [*TINY, "--total-timesteps", str(32 * 60), "--save-model", "--save-every", "1"]
-    process = forked_run.ForkedRun(os.path.join(ROOT, "ppo_procgen.py"), flags)
+    process = forked_run.ForkedRun(os.path.join(ROOT, "ppo_procgen.py"), flags, stderr_to_stdout=True)
     deadline = time.time() + 120
     while not glob.glob("runs/*/checkpoint.pt"):
         assert time.time() < deadline and process.poll() is None
         time.sleep(0.2)
     time.sleep(1.0)
     process.send_signal(signal.SIGTERM)
-    output = "".join(process.communicate(timeout=60))
+    output = process.communicate(timeout=60)[0]
     assert process.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM: saved iteration" in output, output
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")

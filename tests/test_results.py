@@ -220,10 +220,11 @@ def real_runs(tmp_path_factory):
     """runs/ of one tiny real run of each Procgen script (started together, a few seconds each; forked from a server
     that has imported torch, tests/forked_run.py)."""
     folder = tmp_path_factory.mktemp("real_runs")
-    processes = {script: forked_run.ForkedRun(os.path.join(ROOT, script), [*flags, *COMMON], cwd=str(folder))
+    processes = {script: forked_run.ForkedRun(os.path.join(ROOT, script), [*flags, *COMMON], cwd=str(folder),
+                                                 stderr_to_stdout=True)
                  for script, flags in TINY_RUNS.items()}
     for script, process in processes.items():
-        output = "".join(process.communicate(timeout=300))
+        output = process.communicate(timeout=300)[0]
         assert process.returncode == 0, f"{script}: {output[-3000:]}"
     return folder / "runs"
 

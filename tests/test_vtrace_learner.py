@@ -518,7 +518,8 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     seconds, and saves; --resume finishes the same total; --eval-only loads and films."""
     total = 800 * 4  # 4 iterations of 25 updates x 4 unrolls x 8 steps
     process = forked_run.ForkedRun(os.path.join(ROOT, "vtrace.py"),
-                                   [*TINY, "--total-timesteps", str(total), "--save-model", "--save-every", "1"])
+                                   [*TINY, "--total-timesteps", str(total), "--save-model", "--save-every", "1"],
+                                   stderr_to_stdout=True)
     deadline = time.time() + 120
     while not glob.glob("runs/*/checkpoint.pt"):
         assert time.time() < deadline and process.poll() is None
@@ -526,7 +527,7 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     time.sleep(0.2)  # into iteration 2
     process.send_signal(signal.SIGTERM)
     signalled = time.time()
-    output = "".join(process.communicate(timeout=30))
+    output = process.communicate(timeout=30)[0]
     assert time.time() - signalled < 10  # the process (and with it the actor thread) is gone
     assert process.returncode == 143 and "interrupted by SIGTERM: saved iteration" in output, output
     (run,) = os.listdir("runs")
