@@ -12,6 +12,7 @@ import copy
 import datetime
 import functools
 import glob
+import importlib.util
 import io
 import json
 import math
@@ -105,6 +106,10 @@ class Args:
     """number of training levels; 0 trains on the full distribution (unlimited levels)"""
     start_level: int = 0
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
+    env_backend: Literal["auto", "procgen", "envpool"] = "auto"
+    """the games' implementation, both built from Procgen 0.10.7's C++ code: procgen-mirror (the official
+    package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (other platforms); auto: whichever is installed,
+    procgen-mirror first. The same seed plays the same levels on both (docs/platforms.md)"""
     num_envs: int = 32
     """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of
     all games is one learner batch (one update per actor unroll keeps the lag exact), so 32 games =
@@ -168,7 +173,7 @@ def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
     the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
-                         args.env_threads)
+                         args.env_threads, args.env_backend)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
 
@@ -756,7 +761,7 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
     if num_episodes == 0:  # more ranks than evaluation episodes
         return []
     envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads))
+                                                 args.env_threads, args.env_backend))
     obs, _ = envs.reset(seed=seed)
     returns = np.full(num_episodes, np.nan)
     frames = [obs[0]]
@@ -781,25 +786,24 @@ def write_video(path, frames, fps=15):
 
 
 class ProcgenVecEnv(gym.vector.VectorEnv):
-    """A gymnasium VectorEnv over procgen's gym3 `ProcgenGym3Env`, so gymnasium's vector wrappers
-    work on it.
+    """A gymnasium VectorEnv over the Procgen games of either backend (`procgen_backend`), with
+    one contract for the algorithms whichever plays them:
 
     Autoreset is SAME_STEP: the step that ends an episode returns terminated=True with that
     episode's last reward and the *first* frame of the next episode (gym3's `first` flag). Procgen
     has no time-limit signal, so truncated is always False: time-outs count as terminations.
     `reset(seed=s)` builds fresh games whose levels and dynamics are fully determined by s
-    (procgen's `rand_seed`). """
+    (procgen's `rand_seed`; EnvPool's `seed` draws each game's level seeds the same way)."""
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1):
+    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1,
+                 backend="auto"):
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
-        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
-            from procgen import ProcgenGym3Env
-        self._make = functools.partial(  # the games, once reset gives their seed
-            ProcgenGym3Env, num=num_envs, env_name=env_id, distribution_mode=distribution_mode, num_levels=num_levels,
-            start_level=start_level, num_threads=num_threads)
+        self.backend = procgen_backend(backend)
+        self.options = dict(num_levels=num_levels, start_level=start_level, num_threads=num_threads)
+        self.env_id, self.distribution_mode = env_id, distribution_mode
         self.num_envs = num_envs
         self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
@@ -808,23 +812,64 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks procgen's seed if none is given
-        if self.env is not None:
-            self.env.close()
+        super().reset(seed=seed)  # seeds self.np_random, which picks the games' seed if none is given
+        self.close_extras()
         if seed is None:
             seed = int(self.np_random.integers(2**31 - 1))
-        self.env = self._make(rand_seed=seed)
-        _, obs, _ = self.env.observe()
-        return obs["rgb"], {}
+        if self.backend == "procgen":
+            with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
+                from procgen import ProcgenGym3Env
+            self.env = ProcgenGym3Env(num=self.num_envs, env_name=self.env_id, rand_seed=seed,
+                                      distribution_mode=self.distribution_mode, **self.options)
+            _, obs, _ = self.env.observe()
+            return obs["rgb"], {}
+        import envpool
+        task = f"{self.env_id.capitalize()}{self.distribution_mode.capitalize()}-v0"  # e.g. StarpilotEasy-v0
+        try:
+            self.env = envpool.make_gymnasium(task, num_envs=self.num_envs, seed=seed, channel_first=False,
+                                              **self.options)
+        except ImportError as error:  # EnvPool's Procgen loads the system's Qt 5 on Linux and macOS
+            raise SystemExit(f"error: --env-backend envpool: {error} (Debian/Ubuntu: apt-get install libqt5gui5; "
+                             "macOS: brew install qt@5)") from None
+        obs, _ = self.env.reset()
+        return obs, {}
 
     def step(self, actions):
-        self.env.act(np.asarray(actions, dtype=np.int32))
-        reward, obs, first = self.env.observe()
-        return obs["rgb"], reward.astype(np.float64), first, np.zeros(self.num_envs, dtype=bool), {}
+        actions = np.asarray(actions, dtype=np.int32)
+        no_truncation = np.zeros(self.num_envs, dtype=bool)
+        if self.backend == "procgen":
+            self.env.act(actions)
+            reward, obs, first = self.env.observe()
+            return obs["rgb"], reward.astype(np.float64), first, no_truncation, {}
+        obs, reward, terminated, truncated, _ = self.env.step(actions)
+        ended = terminated | truncated  # EnvPool calls the game's time-out a truncation; procgen, a termination
+        if ended.any():
+            # EnvPool starts a finished game's next episode on the step after its end (ignoring that step's action,
+            # reward 0). Take that step now, for those games only, and return its first frame with the end: a
+            # rollout never holds the extra transition, so GAE and V-trace never bootstrap across an episode.
+            finished = np.flatnonzero(ended).astype(np.int32)
+            first_frames, _, _, _, info = self.env.step(np.zeros(len(finished), np.int32), finished)
+            obs[info["env_id"]] = first_frames
+        return obs, reward.astype(np.float64), ended, no_truncation, {}
 
     def close_extras(self, **kwargs):
         if self.env is not None:
             self.env.close()
+            self.env = None
+
+
+def procgen_backend(choice):
+    """'procgen' or 'envpool' for --env-backend CHOICE; 'auto' takes procgen-mirror where it is
+    installed (the official package), else EnvPool. Finding a package imports nothing."""
+    installed = [name for name in ("procgen", "envpool") if importlib.util.find_spec(name) is not None]
+    backend = (installed or [None])[0] if choice == "auto" else choice
+    if backend not in installed:
+        missing = {None: "neither procgen-mirror nor envpool is", "procgen": "procgen-mirror is not",
+                   "envpool": "envpool is not"}[backend]
+        raise SystemExit(f"error: --env-backend {choice}: {missing} installed; `pip install -r requirements.txt` "
+                         "installs the one for this platform (procgen-mirror on Linux x86-64 with CPython 3.11 "
+                         "and 3.12, EnvPool elsewhere; docs/platforms.md)")
+    return backend
 
 
 def start_run(args):
@@ -1156,9 +1201,9 @@ def restore(checkpoint, args, rank, agent, optimizers, normalizer):
 
 
 # Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
-# logging only.
-RUNTIME_FLAGS = ("cuda", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video", "track",
-                 "wandb_project", "wandb_entity", "wandb_mode")
+# logging only (--env-backend plays the same games, so a run moves to a machine with the other one).
+RUNTIME_FLAGS = ("cuda", "env_backend", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video",
+                 "track", "wandb_project", "wandb_entity", "wandb_mode")
 
 
 def save_checkpoint(path, state):
@@ -1274,6 +1319,8 @@ def check_args(args):
     """Fail at once, before anything heavy is allocated, with one line naming the flag."""
     require(args.env_id in PROCGEN_RANGES, f"--env-id {args.env_id!r} is not a Procgen game; choose one of: "
             + ", ".join(PROCGEN_RANGES))
+    if args.env_backend != "auto":  # a backend asked for by name must be installed (auto: when the games are made)
+        procgen_backend(args.env_backend)
     check_ranges(args, positive=("total_timesteps", "num_envs", "unroll_length", "updates_per_iteration",
                                  "eval_episodes", "hidden_size", "save_every", "learning_rate", "gamma", "rho_bar",
                                  "c_bar", "pg_rho_bar", "max_grad_norm", "adam_eps", "reward_norm_gamma",

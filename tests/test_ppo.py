@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import ROOT
 from gymnasium.vector import AutoresetMode
-from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 import exercises.references
 import forked_run
@@ -52,60 +51,6 @@ def test_gae_matches_naive_definition(gamma, lam):
     expected = naive_gae(rewards, values, dones, next_value, next_done, gamma, lam)
     got = ppo.compute_gae(*(torch.tensor(x) for x in (rewards, values, dones, next_value, next_done)), gamma, lam)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-10)
-
-
-def test_adapter_spaces_dtypes_shapes():
-    envs = ppo.ProcgenVecEnv(3, "coinrun")
-    assert envs.single_observation_space.shape == (64, 64, 3) and envs.single_action_space.n == 15
-    assert envs.observation_space.shape == (3, 64, 64, 3) and envs.action_space.shape == (3,)
-    obs, info = envs.reset(seed=0)
-    assert obs.shape == (3, 64, 64, 3) and obs.dtype == np.uint8 and info == {}
-    obs, reward, terminated, truncated, info = envs.step(np.zeros(3, dtype=np.int64))
-    assert obs.shape == (3, 64, 64, 3) and obs.dtype == np.uint8
-    assert reward.shape == terminated.shape == truncated.shape == (3,)
-    assert terminated.dtype == truncated.dtype == bool and not truncated.any()
-    envs.close()
-
-
-def rollout(seed, steps=150, num_envs=4):
-    envs = ppo.ProcgenVecEnv(num_envs, "bigfish")
-    frames = [envs.reset(seed=seed)[0]]
-    actions = np.random.default_rng(1).integers(15, size=(steps, num_envs))
-    outputs = [envs.step(a)[:3] for a in actions]
-    envs.close()
-    return frames + [o[0] for o in outputs], np.array([o[1] for o in outputs]), np.array([o[2] for o in outputs])
-
-
-def test_adapter_is_deterministic_given_the_seed():
-    frames_a, rewards_a, dones_a = rollout(seed=7)
-    frames_b, rewards_b, dones_b = rollout(seed=7)
-    frames_c, _, _ = rollout(seed=8)
-    assert all(np.array_equal(a, b) for a, b in zip(frames_a, frames_b))
-    np.testing.assert_array_equal(rewards_a, rewards_b)
-    np.testing.assert_array_equal(dones_a, dones_b)
-    assert not all(np.array_equal(a, c) for a, c in zip(frames_a, frames_c))
-
-
-def test_episode_statistics_equal_sums_of_raw_rewards():
-    """SAME_STEP autoreset: the reward that comes with terminated=True belongs to the finished episode."""
-    envs = RecordEpisodeStatistics(ppo.ProcgenVecEnv(8, "bigfish"))
-    envs.reset(seed=3)
-    running, lengths = np.zeros(8), np.zeros(8, dtype=int)
-    expected, recorded = [], []
-    rng = np.random.default_rng(0)
-    for _ in range(600):
-        _, reward, terminated, truncated, info = envs.step(rng.integers(15, size=8))
-        running += reward
-        lengths += 1
-        for i in np.flatnonzero(terminated | truncated):
-            expected.append((running[i], lengths[i]))
-            running[i], lengths[i] = 0, 0
-        if "_episode" in info:
-            ended = info["_episode"]
-            recorded += list(zip(info["episode"]["r"][ended], info["episode"]["l"][ended]))
-    envs.close()
-    assert len(expected) >= 8 and any(r > 0 for r, _ in expected)  # enough episodes, some with points
-    assert recorded == expected
 
 
 def test_invalid_env_name_is_an_error_not_an_abort():
