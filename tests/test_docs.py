@@ -596,7 +596,7 @@ OURS_COLUMN = {
         "optimizers, Adam ε": "ε {adam_eps:e}",
         "LR annealing": "{anneal_lr:onoff}",
         "clip ε / value clipping": "{clip_coef:g} / {clip_vloss:yn}",
-        "entropy coefficient / value term of the policy phase": "{ent_coef:g} / {vf_coef:g} × ½·MSE",
+        "entropy coefficient β_S / value term of the policy phase": "{ent_coef:g} / {vf_coef:g} × ½·MSE",
         "gradient clip": "none ({max_grad_norm:g})",
         "advantage normalization": "full {adv_norm}",
         "reward normalizer γ, clip": "{reward_norm_gamma:g}, ±{reward_clip:g}",
