@@ -61,8 +61,8 @@ class Args:
     e_aux: int = 6
     """E_aux: epochs of each auxiliary phase over its N_pi x num_envs rollouts (0: no phase)"""
     beta_clone: float = 1.0
-    """beta_clone: weight of KL(pi_old || pi) in L^joint, which holds the policy still in an auxiliary phase
-    (pi_old: the policy at the end of the policy phase)"""
+    """beta_clone: weight of KL(pi_old || pi) in L^joint, which holds the policy still in an
+    auxiliary phase (pi_old: the policy at the end of the policy phase)"""
     num_aux_rollouts: Optional[int] = None
     """whole rollouts per auxiliary minibatch, all ranks; None: the PPG code's 4 per 64 games"""
     arch: Literal["dual", "detach"] = "dual"
@@ -70,17 +70,18 @@ class Args:
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
-    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its Eq. 8: r A - beta KL to the rollout's policy)"""
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its Eq. 8: r A - beta KL to the
+    rollout's policy)"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
     """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
-    """beta_S: weight of the entropy bonus S[pi] in the policy phase's objective L^clip + beta_S S[pi]"""
+    """beta_S: weight of the entropy bonus S[pi] in the policy phase's L^clip + beta_S S[pi]"""
     vf_coef: float = 1.0
-    """weight of L^value = 1/2 E[(V - V_targ)^2] (PPG Eq. 2) in the policy phase: 1 as in the paper; the PPG
-    code's 0.5 x mean squared error is the same loss. (PPO's 0.5 would halve it, and Adam's epsilon then
-    changes the value network's steps.)"""
+    """weight of L^value = 1/2 E[(V - V_targ)^2] (PPG Eq. 2) in the policy phase: 1 as in the
+    paper; the PPG code's 0.5 x mean squared error is the same loss. (PPO's 0.5 would halve it,
+    and Adam's epsilon then changes the value network's steps.)"""
     max_grad_norm: float = float("inf")
     """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
@@ -540,7 +541,7 @@ def train(args):
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
-    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # one per phase, as the PPG code
+    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # per phase, as the PPG code
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
     start_iteration = restore(checkpoint, args, rank, agent, optimizers, envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
@@ -603,8 +604,8 @@ def train(args):
                 with torch.no_grad(), autocast():
                     next_value = policy(next_obs)[1].float()
 
-                # 2. Advantages and V_targ = A + V, then 3. the PPO update: L^clip + beta_S S[pi] for E_pi
-                # epochs on theta_pi, L^value for E_V epochs on theta_V.
+                # 2. Advantages and V_targ = A + V, then 3. the PPO update: L^clip + beta_S S[pi]
+                # for E_pi epochs on theta_pi, L^value for E_V epochs on theta_V.
                 update_start = time.perf_counter()
                 advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
                 value_targets = advantages + values
@@ -613,12 +614,13 @@ def train(args):
                              returns=value_targets.flatten(), values=values.flatten())
                 stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast,
                                    kl_beta, stop.check)
-                trained = iteration  # a non-finite auxiliary step saves this one
+                trained = iteration  # if the auxiliary phase fails, the checkpoint is this iteration
                 stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
                 if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                     kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
                 stats["explained_variance"] = explained_variance(value_targets, values)
-                # 4. "Add all (s_t, V_targ(s_t)) to B": this iteration's slot of the phase's N_pi.
+                # 4. "Add all (s_t, V_targ(s_t)) to B": one slot per iteration of the phase, each
+                # holding every game's whole rollout, [games, T] (the rollout is [T, games]).
                 if args.e_aux:
                     aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
                     aux_value_targets[(iteration - 1) % args.n_pi] = value_targets.transpose(0, 1)
@@ -633,10 +635,12 @@ def train(args):
                     # A run resumed inside this phase has filled only the slots of its own iterations.
                     filled = min(args.n_pi, iteration - start_iteration + 1)
                     aux_phase_start = time.perf_counter()
-                    aux_stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
-                                                aux_value_targets[-filled:].flatten(0, 1), args, device, autocast,
-                                                stop_requested=stop.requested)
-                    log_aux_phase(logger, iteration, global_step, aux_stats, policy_phase_start, aux_phase_start)
+                    aux_stats = auxiliary_phase(
+                        forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
+                        aux_value_targets[-filled:].flatten(0, 1), args, device, autocast,
+                        stop_requested=stop.requested)
+                    log_aux_phase(logger, iteration, global_step, aux_stats, policy_phase_start,
+                                  aux_phase_start)
                     policy_phase_start = time.perf_counter()
 
                 # 5. Evaluate, save a checkpoint and stop where the flags or a signal ask.
