@@ -495,9 +495,9 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
-        for obs in aux_obs.split(rollouts_per_minibatch):  # pinned views: asynchronous copies
+        for obs in aux_obs.split(rollouts_per_minibatch):  # slices of a pinned B copy asynchronously
             old_logits.append(forward_aux(obs.to(device, non_blocking=True).flatten(0, 1))[0].float())
-            if stop_requested is not None and stop_requested():  # before any step: a phase left out
+            if stop_requested is not None and stop_requested():  # no step taken: skip the whole phase
                 return {}
     old_logits = torch.cat(old_logits).unflatten(0, aux_obs.shape[:2])  # [R, T, actions]
     totals = torch.zeros(3, device=device)
@@ -506,7 +506,7 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
                 for minibatch in torch.randperm(len(aux_obs), device=aux_obs.device).split(rollouts_per_minibatch)]
     for epoch, minibatch in schedule:  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
         optimizer.zero_grad(set_to_none=True)
-        for chunk in minibatch.chunk(args.n_aux_grad_accum):  # weighted: sizes may differ
+        for chunk in minibatch.chunk(args.n_aux_grad_accum):  # each weighted by its size (they may differ)
             obs, value_targets = rollouts_to_device((aux_obs, aux_value_targets), chunk, device)
             with autocast():
                 logits, value, aux_value = forward_aux(obs.flatten(0, 1))
@@ -998,7 +998,11 @@ def allocate_buffer(args, device, world_size):
 
 
 def aux_buffer_device(args, device, world_size):
-    """torch.empty's keywords for B if it fits (6.4 GB at the defaults; pinned: 2^n bytes, 8 GiB)"""
+    """Where B goes, as torch.empty's keywords: on the GPU when it needs less than half of the free
+    GPU memory (--aux-buffer auto), else in host memory, pinned on a CUDA run so that minibatches
+    copy asynchronously. PyTorch's pinned allocator rounds a block up to a power of two, so the
+    default 6.4 GB take 8 GiB there, and the check counts that. A buffer that does not fit in 80 %
+    of the free memory stops the run with one line naming the flags to change."""
     needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
     on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and device.type == "cuda"
                                               and needed < 0.5 * available_memory(device))
@@ -1032,7 +1036,9 @@ def num_ranks():
 
 
 def rollouts_to_device(buffers, index, device):
-    """buffer[index] of each buffer on the device; pinned ones via pinned blocks (docs/ppg.md)."""
+    """The rollouts `index` of each buffer, copied to the device. From a pinned host buffer they are
+    first gathered into a new pinned block: `buffer[index]` would be an unpinned copy, whose transfer
+    cannot be asynchronous (docs/ppg.md, "The buffer B")."""
     if not buffers[0].is_pinned():
         return [buffer[index].to(device, non_blocking=True) for buffer in buffers]
     blocks = [torch.empty((len(index), *b.shape[1:]), dtype=b.dtype, pin_memory=True) for b in buffers]
