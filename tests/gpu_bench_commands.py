@@ -56,7 +56,9 @@ def tiny_gpu_check_started(tmp_path_factory):
     """The dry run behind tiny_gpu_check, started: (its folder, what start_gpu_bench returned). test_gpu_check.py
     starts it with the module, so that it runs while the module's other tests do."""
     tmp_dir = tmp_path_factory.mktemp("gpu_check")
-    return tmp_dir, start_tiny_dry_run(tmp_dir)
+    started = start_tiny_dry_run(tmp_dir)
+    yield tmp_dir, started
+    started[0].wait(timeout=600)  # when no test read it (a -k selection), it still ends before pytest does
 
 
 @pytest.fixture(scope="session")
