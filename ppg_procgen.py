@@ -1,11 +1,11 @@
 """Phasic Policy Gradient on Procgen (Cobbe et al. 2021, arXiv 2009.04416): a policy phase of N_pi
 PPO iterations trains separate policy and value networks; then an auxiliary phase distils value
-targets into the policy network while a KL term keeps the policy in place (diff it with PPO's), with
-the IMPALA-CNN and reward normalization of the Procgen benchmark (Cobbe et al. 2020, 1912.01588).
+targets into the policy network while a KL term keeps the policy in place, with the IMPALA-CNN
+and reward normalization of the Procgen benchmark (Cobbe et al. 2020, arXiv 1912.01588).
 
 Run:  python ppg_procgen.py --env-id starpilot          (all flags: python ppg_procgen.py --help)
-Read top to bottom: the environment, the network, the algorithm's pieces, then `train`, the story;
-the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
+Read top to bottom: `train` shows both phases of the paper's Algorithm 1 (docs/ppg.md maps each line
+to the code); the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints)."""
 import collections
 import contextlib
 import copy
@@ -62,7 +62,8 @@ class Args:
     e_aux: int = 6
     """E_aux: epochs of each auxiliary phase over its N_pi x num_envs rollouts (0: no phase)"""
     beta_clone: float = 1.0
-    """beta_clone: weight of KL(pi_old || pi), which holds the policy still in an auxiliary phase"""
+    """beta_clone: weight of KL(pi_old || pi) in L^joint, which holds the policy still in an
+    auxiliary phase (pi_old: the policy at the end of the policy phase)"""
     num_aux_rollouts: Optional[int] = None
     """whole rollouts per auxiliary minibatch, all ranks; None: the PPG code's 4 per 64 games"""
     arch: Literal["dual", "detach"] = "dual"
@@ -70,15 +71,18 @@ class Args:
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
-    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its section 4: r A - beta KL(pi_old || pi))"""
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its Eq. 8: r A - beta KL to the
+    rollout's policy)"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
     """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
-    """entropy bonus coefficient"""
-    vf_coef: float = 0.5
-    """value loss coefficient"""
+    """beta_S: weight of the entropy bonus S[pi] in the policy phase's L^clip + beta_S S[pi]"""
+    vf_coef: float = 1.0
+    """weight of L^value = 1/2 E[(V - V_targ)^2] (PPG Eq. 2) in the policy phase: 1 as in the
+    paper; the PPG code's 0.5 x mean squared error is the same loss. (PPO's 0.5 would halve it,
+    and Adam's epsilon then changes the value network's steps.)"""
     max_grad_norm: float = float("inf")
     """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
@@ -101,7 +105,7 @@ class Args:
     """width of the dense layer after the convolutions"""
     init: Literal["default", "normed", "glorot"] = "normed"
     """weight init: PyTorch default + orthogonal heads (CleanRL PPO), the PPG code's per-unit normed init, or
-    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads; issue 27)"""
+    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads)"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""
@@ -479,6 +483,16 @@ def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone
     return aux_value_loss + beta_clone * kl + true_value_loss, (aux_value_loss, kl, true_value_loss)
 
 
+def aux_rollouts_per_rank(args, world_size=None):
+    """The auxiliary minibatch: whole rollouts, split evenly among the ranks. The PPG code takes 4
+    rollouts per worker of 64 games, so by default each rank takes 4 per 64 of its games;
+    --num-aux-rollouts sets the total over all ranks instead. Returns this rank's share."""
+    world_size = world_size or num_ranks()
+    if args.num_aux_rollouts is not None:
+        return args.num_aux_rollouts // world_size
+    return max(1, args.num_envs // world_size // 16)
+
+
 def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast, *,
                     stop_requested=None):
     """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their
@@ -486,9 +500,9 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
-        for obs in aux_obs.split(rollouts_per_minibatch):  # pinned views: asynchronous copies
+        for obs in aux_obs.split(rollouts_per_minibatch):  # slices of a pinned B copy asynchronously
             old_logits.append(forward_aux(obs.to(device, non_blocking=True).flatten(0, 1))[0].float())
-            if stop_requested is not None and stop_requested():  # before any step: a phase left out
+            if stop_requested is not None and stop_requested():  # no step taken: skip the whole phase
                 return {}
     old_logits = torch.cat(old_logits).unflatten(0, aux_obs.shape[:2])  # [R, T, actions]
     totals = torch.zeros(3, device=device)
@@ -497,7 +511,7 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
                 for minibatch in torch.randperm(len(aux_obs), device=aux_obs.device).split(rollouts_per_minibatch)]
     for epoch, minibatch in schedule:  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
         optimizer.zero_grad(set_to_none=True)
-        for chunk in minibatch.chunk(args.n_aux_grad_accum):  # weighted: sizes may differ
+        for chunk in minibatch.chunk(args.n_aux_grad_accum):  # each weighted by its size (they may differ)
             obs, value_targets = rollouts_to_device((aux_obs, aux_value_targets), chunk, device)
             with autocast():
                 logits, value, aux_value = forward_aux(obs.flatten(0, 1))
@@ -519,7 +533,7 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
 
 def train(args):
     args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
-    aux_obs, aux_value_targets = prepare_phases(args, device, world_size)  # B, where it fits
+    aux_obs, aux_value_targets = allocate_buffer(args, device, world_size)  # PPG's buffer B
     args.env_threads, torch_threads = thread_split(args, device)
     torch.set_num_threads(torch_threads)
     run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
@@ -532,7 +546,7 @@ def train(args):
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
-    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # as the PPG code
+    optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # per phase, as the PPG code
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
     start_iteration = restore(checkpoint, args, rank, agent, optimizers, envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
@@ -543,7 +557,7 @@ def train(args):
     obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
     actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
     log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
-    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
+    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # for kl-penalty's KL
     frames_to_device = FramesToDevice(local_envs, device)
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
     kl_beta = checkpoint["kl_beta"] if args.resume else kl_beta
@@ -552,7 +566,7 @@ def train(args):
     next_done = torch.zeros(local_envs, device=device)
     global_step = (start_iteration - 1) * batch_size
     start = (time.time(), global_step)  # SPS and the ETA count this process's steps
-    policy_phase_start = start[0]
+    policy_phase_start = time.perf_counter()
     trained = start_iteration - 1  # the last iteration whose policy update is done
     recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
@@ -566,9 +580,10 @@ def train(args):
                     for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
                         group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
 
+                # Policy phase (PPG Algorithm 1): N_pi PPO iterations; this is one of them.
                 # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
                 episode_returns, episode_lengths = [], []
-                rollout_start, env_seconds = time.perf_counter(), 0.0  # the rollout's, the games' share
+                rollout_start, env_seconds = time.perf_counter(), 0.0  # env_seconds: time inside the games
                 for step in range(args.num_steps):
                     stop.check()  # after a signal: raises Interrupted
                     global_step += args.num_envs
@@ -594,34 +609,46 @@ def train(args):
                 with torch.no_grad(), autocast():
                     next_value = policy(next_obs)[1].float()
 
-                # 2. Advantages and value targets, then 3. the PPO update on the flattened rollout.
+                # 2. Advantages and V_targ = A + V, then 3. the PPO update: L^clip + beta_S S[pi]
+                # for E_pi epochs on theta_pi, L^value for E_V epochs on theta_V.
                 update_start = time.perf_counter()
                 advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
-                returns = advantages + values
+                value_targets = advantages + values
                 batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
                              logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
-                             returns=returns.flatten(), values=values.flatten())
+                             returns=value_targets.flatten(), values=values.flatten())
                 stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast,
                                    kl_beta, stop.check)
-                trained = iteration  # a non-finite auxiliary step saves this one
+                trained = iteration  # if the auxiliary phase fails, the checkpoint is this iteration
                 stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
                 if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                     kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
-                stats["explained_variance"] = explained_variance(returns, values)
-
-                # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
+                stats["explained_variance"] = explained_variance(value_targets, values)
+                # 4. "Add all (s_t, V_targ(s_t)) to B": one slot per iteration of the phase, each
+                # holding every game's whole rollout, [games, T] (the rollout is [T, games]).
+                if args.e_aux:
+                    aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
+                    aux_value_targets[(iteration - 1) % args.n_pi] = value_targets.transpose(0, 1)
                 times = {"rollout": update_start - rollout_start, "env": env_seconds,
                          "update": time.perf_counter() - update_start}
                 log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
                               episode_lengths, recent_returns, stats, times)
-                if args.e_aux:  # "Add all (s_t, V_targ_t) to B", in the iteration's place
-                    aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
-                    aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
-                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:  # none after the last (PPG code)
-                    kept = min(args.n_pi, iteration - start_iteration + 1)  # resumed: B since then
-                    policy_phase_start = auxiliary_phase_and_log(
-                        forward_aux, aux_optimizer, aux_obs[-kept:], aux_value_targets[-kept:], args, device, autocast,
-                        stop.requested, logger, iteration, global_step, policy_phase_start)
+
+                # Auxiliary phase (every N_pi iterations). As in the PPG code, none follows the last
+                # iteration, since no policy phase would use what it learned.
+                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
+                    # A run resumed inside this phase has filled only the slots of its own iterations.
+                    filled = min(args.n_pi, iteration - start_iteration + 1)
+                    aux_phase_start = time.perf_counter()
+                    aux_stats = auxiliary_phase(
+                        forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
+                        aux_value_targets[-filled:].flatten(0, 1), args, device, autocast,
+                        stop_requested=stop.requested)
+                    log_aux_phase(logger, iteration, global_step, aux_stats, policy_phase_start,
+                                  aux_phase_start)
+                    policy_phase_start = time.perf_counter()
+
+                # 5. Evaluate, save a checkpoint and stop where the flags or a signal ask.
                 if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                     evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step)
                 stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
@@ -1000,9 +1027,11 @@ class Interrupted(Exception):
     """Raised by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
 
 
-def prepare_phases(args, device, world_size):
-    """Before the run's directory (a refusal leaves nothing behind): a note where the run ends
-    in a phase; B where it fits (`aux_buffer_device`), [N_pi, games, T, ...], or (None, None)."""
+def allocate_buffer(args, device, world_size):
+    """PPG's buffer B as two tensors, frames [N_pi, games, T, 64, 64, 3] and their V_targ [N_pi,
+    games, T], on the device or in host memory (`aux_buffer_device`); (None, None) without
+    auxiliary phases. It runs before the run's directory is made, so a buffer that does not fit
+    leaves nothing behind. It also notes when the run's last iterations form no whole phase."""
     if not args.e_aux or args.eval_only:
         return None, None
     leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
@@ -1014,7 +1043,11 @@ def prepare_phases(args, device, world_size):
 
 
 def aux_buffer_device(args, device, world_size):
-    """torch.empty's keywords for B if it fits (6.4 GB at the defaults; pinned: 2^n bytes, 8 GiB)"""
+    """Where B goes, as torch.empty's keywords: on the GPU when it needs less than half of the free
+    GPU memory (--aux-buffer auto), else in host memory, pinned on a CUDA run so that minibatches
+    copy asynchronously. PyTorch's pinned allocator rounds a block up to a power of two, so the
+    default 6.4 GB take 8 GiB there, and the check counts that. A buffer that does not fit in 80 %
+    of the free memory stops the run with one line naming the flags to change."""
     needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
     on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and device.type == "cuda"
                                               and needed < 0.5 * available_memory(device))
@@ -1042,37 +1075,31 @@ def available_memory(device):
     return float("inf")
 
 
+def num_ranks():
+    """The number of torchrun ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def rollouts_to_device(buffers, index, device):
-    """buffer[index] of each buffer on the device; pinned ones via pinned blocks (docs/ppg.md)."""
+    """The rollouts `index` of each buffer, copied to the device. From a pinned host buffer they are
+    first gathered into a new pinned block: `buffer[index]` would be an unpinned copy, whose transfer
+    cannot be asynchronous (docs/ppg.md, "The buffer B")."""
     if not buffers[0].is_pinned():
         return [buffer[index].to(device, non_blocking=True) for buffer in buffers]
     blocks = [torch.empty((len(index), *b.shape[1:]), dtype=b.dtype, pin_memory=True) for b in buffers]
     return [torch.index_select(b, 0, index, out=block).to(device, non_blocking=True) for b, block in zip(buffers, blocks)]
 
 
-def aux_rollouts_per_rank(args, world_size=None):
-    """Each rank's share of an auxiliary minibatch: --num-aux-rollouts / ranks, or 4 per 64 games"""
-    world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
-    if args.num_aux_rollouts is not None:
-        return args.num_aux_rollouts // world_size
-    return max(1, args.num_envs // world_size // 16)
-
-
-def auxiliary_phase_and_log(forward_aux, aux_optimizer, aux_obs, aux_value_targets, args, device, autocast,
-                            stop_requested, logger, iteration, global_step, policy_phase_start):
-    """`auxiliary_phase` on B (aux_obs [iterations, games, T, ...]), ended by a signal after the
-    current minibatch or pi_old chunk (`stop_requested`, all ranks alike); then its row (losses,
-    time/policy_phase since `policy_phase_start`, time/aux_phase) and a line. Returns its end."""
-    start = time.time()
-    stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs.flatten(0, 1), aux_value_targets.flatten(0, 1),
-                            args, device, autocast, stop_requested=stop_requested)
-    seconds = {"policy_phase": start - policy_phase_start, "aux_phase": time.time() - start}
+def log_aux_phase(logger, iteration, global_step, stats, policy_phase_start, aux_phase_start):
+    """An auxiliary phase's row (its mean losses and the seconds of the policy phase before it and
+    of itself, from `time.perf_counter` marks) and its console line."""
+    seconds = {"policy_phase": aux_phase_start - policy_phase_start,
+               "aux_phase": time.perf_counter() - aux_phase_start}
     logger.log({"global_step": global_step, "iteration": iteration, **stats,
                 **{f"time/{key}": value for key, value in seconds.items()}})
     losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
     print(f"aux phase: policy phase {seconds['policy_phase']:.1f}s, aux phase {seconds['aux_phase']:.1f}s | {losses}",
           flush=True)
-    return time.time()
 
 
 class StopOnSignal:

@@ -619,7 +619,10 @@ def train(args):
     # A signal stops after the current update, with a checkpoint; leaving stops the actor first
     with StopOnSignal(args, checkpoint, device, closing=(actor, envs, logger)) as stop:
         try:
+            # Actor: from here on a thread plays unrolls of T steps in all games with the latest
+            # parameters the learner has published (mu, possibly a few updates old) and queues them.
             actor.start()
+            # Learner: one V-trace update per unroll, in the order the actor played them.
             for iteration in range(start_iteration, num_iterations + 1):
                 if args.anneal_lr:  # linearly to 0 over the run
                     optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
@@ -628,14 +631,15 @@ def train(args):
                 unfinished = None
                 times = collections.Counter()
                 for update in range(len(stats), args.updates_per_iteration):
-                    # 1. Take the next unroll the actor played.
+                    # 1. Take the next unroll from the actor's queue (waiting if it is still playing it).
                     wait_start = time.perf_counter()
                     unroll = actor.next_unroll()
                     lags.append(version - unroll["version"])  # updates between mu's parameters and now
                     episode_returns += unroll["episode_returns"]
                     episode_lengths += unroll["episode_lengths"]
 
-                    # 2. V-trace and one gradient step; then publish the new parameters as version + 1.
+                    # 2. V-trace targets and one gradient step on the unroll; then publish the new
+                    # parameters as version + 1, for the actor's next unroll.
                     learn_start = time.perf_counter()
                     stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
                     optimizer.step()

@@ -1,25 +1,28 @@
-"""The GPU check's steps, run by `bash benchmarks/gpu_bench.sh` once it has put in place what the
-machine lacks.
+"""The GPU check's steps, run by `bash benchmarks/gpu_bench.sh` on any machine with a CUDA GPU.
 
 The steps come in the order of their value, so that a run cut short still returns the most
-important numbers, and their budgets add up: with gpu_bench.sh's set-up (SETUP_S) and the reserve
-kept for the end (RESERVE_S) they fit DEADLINE_S, so at the default deadline every step gets its
-whole budget (tests/test_gpu_check.py checks the sum). A budget is a step's whole wall time: past
-budget - GRACE_S, SIGTERM to its process group (the scripts stop at their next clean point), at the
-budget SIGKILL. Before each step the deadline is checked: it starts only if its need is left before
-the deadline (less the reserve), and its budget is cut to what is left; otherwise it is recorded as
-"no time" with the seconds it needed. A failed step is recorded and the next one runs.
+important numbers, and their budgets add up: with the reserve kept for the end (RESERVE_S) they
+fit DEADLINE_S, so at the default deadline every step gets its whole budget (tests/test_gpu_check.py
+checks the sum). A budget is a step's whole wall time: past budget - GRACE_S, SIGTERM to its
+process group (the scripts stop at their next clean point), at the budget SIGKILL. Before each step
+the deadline is checked: it starts only if its need is left before the deadline (less the reserve),
+and its budget is cut to what is left; otherwise it is recorded as "no time" with the seconds it
+needed. A failed step is recorded and the next one runs.
 
   step          need  budget (s)
   preflight       15      30  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
                               if it fails nothing else runs (the CPU dry run lets no CUDA through)
-  ppo-speed       40      50  bench.py: PPO at its defaults -> ppo.json
+  ppo-speed       40      50  bench.py: PPO at its defaults: SPS, ms per vector step (the
+                              rollout's and the games' share), the update's achieved TFLOPS
+                              (gpu_flops.py), peak memory -> ppo.json
   ppg-speed       45      60  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
                               auxiliary phases, the first (cold) in the warm-up; the policy and
-                              the auxiliary phase apart -> ppg.json
-  learning       150     170  PPO and PPG on StarPilot at their defaults, side by side, sized to
-                              the budget; packed into learning.tar.gz as each run ends
-  results         15      30  results.py on the learning runs: figure, aggregate.md, on-track lines
+                              the auxiliary phase apart, as ppo-speed's figures -> ppg.json
+  learning       150     185  PPO and PPG at their defaults on StarPilot (easy) and on BigFish
+                              (hard, where the official runs show PPG's lead earliest), four
+                              runs side by side sized to the budget; packed into
+                              learning.tar.gz as each run ends
+  results         15      30  results.py on the learning runs: figures, aggregate.md, on-track lines
   ppo-fast        45      70  bench.py: PPO with --amp, with --compile (a cold torch.compile),
                               each alone -> added to ppo.json
   impala-speed    30      45  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
@@ -29,25 +32,26 @@ the deadline (less the reserve), and its budget is cut to what is left; otherwis
   cuda-tests      20      30  pytest -m cuda on the files that hold CUDA tests (2 at a time where
                               pytest-xdist is); last, since a cut pytest still reports the tests
                               that ran (gpu_pytest_log.py writes each outcome as the test ends)
-  sum                    510  = DEADLINE_S 540 - SETUP_S 15 - RESERVE_S 15
+  sum                    525  = DEADLINE_S 540 - RESERVE_S 15
 
-Files in OUT, 8 at most, each written whole (a temporary file in OUT, then os.replace) as soon as
-its step ends: gpu_bench.log (gpu_bench.sh writes it), summary.json (after every step),
-ppo.json, ppg.json, impala.json (bench.py writes into the work folder, the step's end copies),
-learning.tar.gz (the learning runs' metrics.jsonl, args.json and console logs, packed as each run
-ends, then with results.py's outputs), starpilot_easy.png and aggregate.md. Compile time is
+Files in OUT, each written whole (a temporary file in OUT, then os.replace) as soon as its step
+ends: gpu_bench.log (gpu_bench.sh writes it), summary.json (after every step), ppo.json, ppg.json,
+impala.json (bench.py writes into the work folder, the step's end copies), learning.tar.gz (the
+learning runs' metrics.jsonl, args.json and console logs, packed as each run ends, then with
+results.py's outputs), one figure per game (<game>_<mode>.png) and aggregate.md. Compile time is
 recorded apart from the steady state: bench.py's `warmup_s` of --compile against the defaults'.
 
   python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b]
       [--fail-step NAME] [--time-scale 1] [--dry-run]
 
-The deadline comes from $DEADLINE (default 540): set it from the device tool's `status` before the
-run (docs/speed.md, "The GPU check"). --tiny is the CPU dry run of tests/test_gpu_check.py: every
-command at tiny flags. --time-scale multiplies every need, budget, the reserve, the set-up and the
-grace (a scaled deadline: tests/test_gpu_check.py runs the whole table in seconds). --steps runs
-only the named steps (the others are recorded as not selected); --fail-step replaces a step's
-command by one that fails, to check that the failure is reported and the next step still runs.
-Only the standard library is imported, so that this runs, and reports, whatever the machine lacks.
+--deadline (or $DEADLINE, default 540) is for a job with a time limit: set it a minute below the
+limit, and the steps that no longer fit are skipped and recorded. --tiny is the CPU dry run of
+tests/test_gpu_check.py: every command at tiny flags. --time-scale multiplies every need, budget,
+the reserve and the grace (a scaled deadline: tests/test_gpu_check.py runs the whole table in
+seconds). --steps runs only the named steps (the others are recorded as not selected);
+--fail-step replaces a step's command by one that fails, to check that the failure is reported
+and the next step still runs. Only the standard library is imported, so that this runs, and
+reports, whatever the machine lacks.
 """
 import argparse
 import collections
@@ -70,9 +74,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEADLINE_S = 540  # the default: the device tool's 600 s per command, less the files' way back
-SETUP_S = 15  # gpu_bench.sh's set-up before this starts (the wheels): it counts against the deadline
-RESERVE_S = 15  # kept back at the end: the last summary, a kill's slack, the files' way back
+DEADLINE_S = 540  # the default: the whole check in 9 minutes
+RESERVE_S = 15  # kept back at the end: the last summary and a kill's slack
 GRACE_S = 10  # from a step's SIGTERM to its SIGKILL, inside its budget
 PUBLISH_EVERY_S = 10  # while a step runs, its results so far go into OUT this often (and as a run ends)
 TAIL_LINES = 30  # of a step's output, kept in summary.json when it fails
@@ -80,7 +83,7 @@ PPO_ITERATION = 64 * 256  # environment steps per iteration at the defaults (PPO
 LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when ppo-speed measured nothing to size the runs by
 LEARNING_STARTUP_S = 60  # of the learning step's budget: the runs' start-up and evaluations, not training
 # The files that hold the tests marked cuda (tests/conftest.py's NEEDS["cuda"], @pytest.mark.cuda):
-# collecting only these costs four imports, not the suite's ~600 tests. tests/test_gpu_check.py keeps
+# collecting only these costs four imports, not the whole suite. tests/test_gpu_check.py keeps
 # the list complete.
 CUDA_TEST_FILES = ("tests/test_ppg.py", "tests/test_speed.py", "tests/test_vtrace.py",
                    "tests/test_vtrace_learner.py")
@@ -93,7 +96,7 @@ TINY_FLAGS = {  # the CPU dry run: games, networks, batches as small as the scri
                  "--hidden-size 8",
 }
 # (name, need, budget) in seconds at the default deadline, in the order of their value (see above).
-TABLE = [("preflight", 15, 30), ("ppo-speed", 40, 50), ("ppg-speed", 45, 60), ("learning", 150, 170),
+TABLE = [("preflight", 15, 30), ("ppo-speed", 40, 50), ("ppg-speed", 45, 60), ("learning", 150, 185),
          ("results", 15, 30), ("ppo-fast", 45, 70), ("impala-speed", 30, 45), ("nccl", 20, 25),
          ("cuda-tests", 20, 30)]
 
@@ -101,11 +104,11 @@ TABLE = [("preflight", 15, 30), ("ppo-speed", 40, 50), ("ppg-speed", 45, 60), ("
 @dataclasses.dataclass
 class Settings:
     python: str  # the interpreter of every step
-    out: str  # the results (at most 8 files)
+    out: str  # the results
     work: str  # everything else: the learning runs, bench.py's JSONs, the preflight's report, the tests' log
     tiny: bool
     deadline_s: float
-    started: float  # when gpu_bench.sh started: its setup counts against the deadline
+    started: float  # when gpu_bench.sh started
     scale: float = 1.0  # --time-scale: every need, budget, the reserve and the grace
     reserve_s: float = RESERVE_S  # kept back from every step, scaled
     grace_s: float = GRACE_S  # from a step's SIGTERM to its SIGKILL, scaled
@@ -170,12 +173,18 @@ def cuda_tests_environment(settings):
     return {"PYTHONPATH": path, "GPU_CHECK_TEST_LOG": os.path.join(settings.work, "cuda_tests.jsonl")}
 
 
-def learning_command(settings, script, total_timesteps):
-    flags = ["--env-id", "starpilot", "--seed", "1", "--total-timesteps", str(total_timesteps), "--eval-every", "20"]
+# The learning check's games: StarPilot, the project's usual test game, and BigFish in hard mode, where
+# the official runs show PPG's lead over PPO earliest (their last 100 episodes at 25M steps: 5.6
+# for PPO, 23.1 for PPG). A few minutes show learning on both, not that lead.
+LEARNING_GAMES = [("starpilot", "easy"), ("bigfish", "hard")]
+
+
+def learning_command(settings, script, total_timesteps, game="starpilot", mode="easy"):
+    flags = ["--seed", "1", "--total-timesteps", str(total_timesteps), "--eval-every", "20"]
     if settings.tiny:
         flags = shlex.split(TINY_FLAGS[script]) + ["--seed", "1", "--total-timesteps", str(total_timesteps),
                                                    "--eval-every", "0", "--eval-episodes", "1"]
-    return [settings.python, os.path.join(ROOT, script), *flags]
+    return [settings.python, os.path.join(ROOT, script), *flags, "--env-id", game, "--distribution-mode", mode]
 
 
 def plan(settings):
@@ -377,6 +386,34 @@ def pytest_numbers(step, settings, entry):
             "pytest_finished": bool(finished), "failed_tests": failed[:10]}
 
 
+def update_work(settings, script, configs):
+    """gpu_flops.py's floating-point work of one update, per configuration ({} where it cannot run)."""
+    command = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_flops.py"), "--script", script]
+    command += [f"--flags={shlex.join(flags)}" for flags in configs.values()]
+    try:
+        answer = subprocess.run(command, capture_output=True, text=True, timeout=max(min(60, settings.left()), 1))
+    except subprocess.TimeoutExpired:
+        return {}
+    if answer.returncode != 0:
+        print(f"gpu_flops.py failed: {(answer.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+        return {}
+    return dict(zip(configs, (json.loads(line) for line in answer.stdout.splitlines())))
+
+
+def bounds(result, work):
+    """Which bound binds: ms per vector step (one step of all games: the whole rollout's, and the
+    games' own share of it) against the update's achieved TFLOPS (its counted work over its time)."""
+    seconds = result.get("seconds_per_iteration") or {}
+    if work is None or "rollout" not in seconds:
+        return {}
+    numbers = {"ms_per_vector_step": 1000 * seconds["rollout"] / work["num_steps"],
+               "env_ms_per_vector_step": 1000 * seconds.get("env", 0.0) / work["num_steps"],
+               "update_flop": work["update_flop"]}
+    if seconds.get("update"):
+        numbers["update_tflops"] = work["update_flop"] / seconds["update"] / 1e12
+    return numbers
+
+
 def bench_numbers(step, settings, entry):
     """Per configuration the figures worth reading at a glance (the rest is in the step's JSON)."""
     saved = read_json(bench_json(settings, step.name), settings)
@@ -385,6 +422,11 @@ def bench_numbers(step, settings, entry):
     keys = ("config", "sps_median", "sps_overall", "sps_policy_phase", "aux_phase_s", "aux_phase_warmup_s",
             "warmup_s", "process_s", "seconds_per_iteration", "peak_gpu_gb", "peak_rss_gb", "error")
     results = [{key: result[key] for key in keys if key in result} for result in saved["results"]]
+    work = {}
+    if saved.get("script") in ("ppo_procgen.py", "ppg_procgen.py"):
+        work = update_work(settings, saved["script"], saved["configs"])
+    for result in results:
+        result.update(bounds(result, work.get(result["config"])))
     numbers = {"results": results}
     published = read_json(os.path.join(settings.out, step.output), settings) or {"results": []}
     by_name = {result["config"]: result for result in published["results"] if "error" not in result}
@@ -429,30 +471,31 @@ def run_command_step(step, timeout_s, settings, inject):
 
 
 # ---- learning and results ----
-def learning_steps(settings, timeout_s):
-    """Steps per run: two runs share the GPU and the cores, so each is given half the speed PPO
-    measured at the defaults, over the budget less start-up and evaluations, with a fifth to
-    spare."""
+def learning_steps(settings, timeout_s, runs):
+    """Steps per run: `runs` runs share the GPU and the cores, so each is given that share of the
+    speed PPO measured at the defaults, over the budget less start-up and evaluations, with a fifth
+    to spare."""
     if settings.tiny:
         return 32
     saved = read_json(bench_json(settings, "ppo-speed"), settings) or {"results": []}
     speeds = [r["sps_overall"] for r in saved["results"] if r["config"] == "defaults" and "error" not in r]
     if not speeds:
         return LEARN_STEPS_WITHOUT_SPEED
-    steps = int(speeds[0] / 2 * max(timeout_s - LEARNING_STARTUP_S, 0) * 0.8) // PPO_ITERATION * PPO_ITERATION
+    steps = int(speeds[0] / runs * max(timeout_s - LEARNING_STARTUP_S, 0) * 0.8) // PPO_ITERATION * PPO_ITERATION
     return max(steps, 2 * PPO_ITERATION)
 
 
 def run_learning(step, timeout_s, settings, inject):
-    """PPO and PPG side by side, each its own process, console log and exit status; their metrics
-    packed into OUT as each run ends."""
+    """PPO and PPG on each of LEARNING_GAMES side by side, each run its own process, console log
+    and exit status; their metrics packed into OUT as each run ends."""
     learn = os.path.join(settings.work, "learn")
     os.makedirs(learn, exist_ok=True)
-    total = learning_steps(settings, timeout_s)
+    runs = [(script, game, mode) for game, mode in LEARNING_GAMES for script in ("ppo_procgen.py", "ppg_procgen.py")]
+    total = learning_steps(settings, timeout_s, len(runs))
     names, processes, logs = [], [], []
-    for script in ("ppo_procgen.py", "ppg_procgen.py"):
-        command = failing_command(settings) if inject else learning_command(settings, script, total)
-        names.append(os.path.splitext(script)[0])
+    for script, game, mode in runs:
+        command = failing_command(settings) if inject else learning_command(settings, script, total, game, mode)
+        names.append(f"{game}_{os.path.splitext(script)[0]}")
         logs.append(open(os.path.join(learn, f"{names[-1]}.log"), "w"))
         print(f"== learning: {shlex.join(command)} > {logs[-1].name}", flush=True)
         processes.append(start(command, learn, logs[-1]))
@@ -494,7 +537,7 @@ def run_results(step, timeout_s, settings, inject):
     figures, on_track = results_commands(settings)
     end = time.time() + timeout_s
     entry = run_process(failing_command(settings) if inject else figures, timeout_s, settings)
-    for path in glob.glob(os.path.join(learn, "results", "*_easy.png"))[:1] + \
+    for path in glob.glob(os.path.join(learn, "results", "*_*.png")) + \
             glob.glob(os.path.join(learn, "results", "aggregate.md")):
         copy_into(path, settings.out)
     if entry["status"] == "ok":
@@ -537,12 +580,12 @@ def timeout_for(step, settings):
     return min(step.budget_s, settings.left())
 
 
-def run_check(settings, steps, selected, fail_step, linked):
+def run_check(settings, steps, selected, fail_step):
     budgets = sum(step.budget_s for step in steps)
     summary = {"started": datetime.datetime.fromtimestamp(settings.started, datetime.timezone.utc).isoformat(),
                "deadline_s": settings.deadline_s, "time_scale": settings.scale, "tiny": settings.tiny,
-               "python": settings.python, "libraries_linked": linked.split(), "budgets_s": round(budgets, 1),
-               "usable_s": round(settings.deadline_s - settings.reserve_s - SETUP_S * settings.scale, 1),
+               "python": settings.python, "budgets_s": round(budgets, 1),
+               "usable_s": round(settings.deadline_s - settings.reserve_s, 1),
                "steps": [], "plan": [{"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s}
                                      for step in steps]}
     write_summary(settings, summary)  # from the start: a kill during the first step still leaves the plan
@@ -583,18 +626,20 @@ def listing(steps, settings):
         if step.command is not None:
             print(shlex.join(relative(word) for word in step.command))
     python = relative(settings.python)
-    flags = learning_command(settings, "ppo_procgen.py", LEARN_STEPS_WITHOUT_SPEED)[2:]
-    print(f"learn ppo_procgen.py ppg_procgen.py: {python} SCRIPT {shlex.join(flags)}")
+    for game, mode in LEARNING_GAMES:
+        flags = learning_command(settings, "ppo_procgen.py", LEARN_STEPS_WITHOUT_SPEED, game, mode)[2:]
+        print(f"learn ppo_procgen.py ppg_procgen.py: {python} SCRIPT {shlex.join(flags)}")
     print(f"{python} benchmarks/results.py RUNS --out RESULTS; {python} benchmarks/results.py RUNS --on-track")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu"),
-                        help="the results folder (at most 8 files)")
+                        help="the results folder")
     parser.add_argument("--work", default=None, help="a private folder for everything else (default: a new one)")
     parser.add_argument("--deadline", type=float, default=float(os.environ.get("DEADLINE", DEADLINE_S)),
-                        help=f"seconds for the whole check, from --started (default: $DEADLINE or {DEADLINE_S})")
+                        help="seconds for the whole check, from --started; in a job with a time limit, a minute "
+                             f"below it (default: $DEADLINE or {DEADLINE_S})")
     parser.add_argument("--started", type=float, default=None,
                         help="when the check started (Unix time; default: now)")
     parser.add_argument("--tiny", action="store_true", default=bool(os.environ.get("GPU_CHECK_TINY")),
@@ -606,8 +651,6 @@ def main(argv=None):
                         help="comma-separated steps to run; default ($GPU_CHECK_STEPS or empty): all")
     parser.add_argument("--fail-step", default=os.environ.get("GPU_CHECK_FAIL_STEP"),
                         help="replace this step's command by one that fails (default: $GPU_CHECK_FAIL_STEP)")
-    parser.add_argument("--linked", default=os.environ.get("GPU_CHECK_LINKED", ""),
-                        help="the carried libraries gpu_bench.sh put on LD_LIBRARY_PATH (for the summary)")
     parser.add_argument("--dry-run", action="store_true", help="only print the steps' commands")
     args = parser.parse_args(argv)
     work = args.work
@@ -630,7 +673,7 @@ def main(argv=None):
         return 0
     os.makedirs(settings.out, exist_ok=True)
     os.makedirs(settings.work, exist_ok=True)
-    return run_check(settings, steps, selected, args.fail_step, args.linked)
+    return run_check(settings, steps, selected, args.fail_step)
 
 
 if __name__ == "__main__":

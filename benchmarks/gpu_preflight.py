@@ -6,7 +6,7 @@ steps need is there, or one line naming what is missing.
 Prints the versions of Python, glibc, torch, CUDA, cuDNN, the GPU's driver and every package the
 scripts and the check import; imports the three Procgen scripts; plays one step of two Procgen games
 through the scripts' own adapter (procgen's bundled Qt loads libGL, libglib-2.0 and the X11
-libraries, which benchmarks/gpu_wheels.sh carries for a machine without them); runs one matrix
+libraries: a machine without them fails here, with the library's name); runs one matrix
 product and one convolution on the GPU against the CPU's. The last line is `preflight: ok` or
 `preflight: missing: <what>`. Exit status 0: everything is there; 1: a package, a library or the
 Procgen step is missing, so no later step can run; 2: only CUDA is missing (the steps would run on
@@ -40,7 +40,6 @@ REQUIRED = [("numpy", "numpy"), ("torch", "torch"), ("typing_extensions", "typin
 # Used only by flags the check never sets (videos, Weights & Biases), or to run tests in parallel.
 OPTIONAL = [("av", "av"), ("wandb", "wandb"), ("xdist", "pytest-xdist")]
 MINIMUM_VERSIONS = {"typing_extensions": (4, 13)}  # tyro 1.0.17's; older ones import, fail later
-BUNDLED_LIBRARIES_GLIBC = (2, 34)  # the newest glibc symbol gpu_wheels.sh's libraries need
 
 
 def version_tuple(text):
@@ -76,7 +75,7 @@ def check_imports(report):
         minimum = MINIMUM_VERSIONS.get(module)
         if minimum and (version is None or version_tuple(version) < minimum):
             wanted = ".".join(map(str, minimum))
-            report["missing"].append(f"{distribution} >= {wanted} (found {version}; carried by gpu_wheels.sh)")
+            report["missing"].append(f"{distribution} >= {wanted} (found {version}; pip install -r requirements.txt)")
 
 
 def check_procgen_step(report):
@@ -147,14 +146,9 @@ def check_cuda(report):
 
 
 def check_machine(report):
-    """What is not a package: glibc for the carried libraries, a C compiler for torch.compile
-    (Triton builds its launchers with one), the driver."""
-    glibc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
-    report["glibc"] = glibc
-    # The carried libraries gpu_bench.sh put on LD_LIBRARY_PATH (from .whl/lib)
-    report["libraries_linked"] = os.environ.get("GPU_CHECK_LINKED", "").split()
-    if glibc and report["libraries_linked"] and version_tuple(glibc) < BUNDLED_LIBRARIES_GLIBC:
-        report["warnings"].append(f"{glibc}: the carried Debian 12 libraries need glibc >= 2.34")
+    """What is not a package: the C library's version, a C compiler for torch.compile (Triton
+    builds its launchers with one), the driver."""
+    report["glibc"] = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
     if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
         report["warnings"].append("no C compiler (cc, gcc, clang): --compile will fail (Triton builds with one)")
     report["driver"] = nvidia_smi()

@@ -1,12 +1,12 @@
 """A pytest plugin for the GPU check's cuda-tests step (benchmarks/gpu_check.py): every test's
 outcome as one JSON line in the file $GPU_CHECK_TEST_LOG, written when the test ends, so that a step
 cut at its budget still reports the tests that ran (pytest's closing line and its --junitxml
-report are written only when the session ends).
+report are written only when the whole run ends).
 
   GPU_CHECK_TEST_LOG=tests.jsonl PYTHONPATH=benchmarks python -m pytest -p gpu_pytest_log ...
 
 Lines: {"collected": N} once the tests are collected; {"test": NODE_ID, "outcome": passed |
-failed | skipped | error} per test; {"exit_status": N} when the session ends. Under pytest-xdist
+failed | skipped | error} per test; {"exit_status": N} when pytest finishes. Under pytest-xdist
 only the controller writes.
 """
 import json
@@ -56,7 +56,7 @@ class OutcomeLog:
             return
         self.write({"test": report.nodeid, "outcome": outcome})
 
-    def pytest_sessionfinish(self, session, exitstatus):
+    def pytest_sessionfinish(self, exitstatus):
         self.write({"exit_status": int(exitstatus)})
 
 

@@ -1,6 +1,6 @@
 """The GPU check's dry runs, shared by tests/test_gpu_check.py and tests/test_speed.py: the training commands
 benchmarks/gpu_bench.sh would run, as its listing (DRY_RUN=1) gives them, each flag set parsed by its script's Args and
-checked by its check_args; and one CPU dry run of the check itself at tiny flags, for the session."""
+checked by its check_args; and one CPU dry run of the check itself at tiny flags, shared by every test that reads it."""
 import functools
 import importlib
 import json
@@ -21,15 +21,15 @@ DRY_RUN_STEPS = "preflight,ppo-speed,ppg-speed,learning,results"
 
 
 def gpu_bench(out, tmp_dir, **environment):
-    """The one command, as on the GPU machine but with GPU_CHECK_TINY=1 and no carried wheels (this machine has every
-    package): (the finished process, summary.json, the files in OUT, gpu_bench.log)."""
+    """The one command, as on a GPU machine but with GPU_CHECK_TINY=1: (the finished process, summary.json, the files
+    in OUT, gpu_bench.log)."""
     return finish_gpu_bench(start_gpu_bench(out, tmp_dir, **environment), out)
 
 
 def start_gpu_bench(out, tmp_dir, **environment):
     """gpu_bench's command, started: (the running process, the file in tmp_dir that its output goes to)."""
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_TINY": "1", "TMPDIR": str(tmp_dir),
-           "WHEELS": "none", **environment}
+           **environment}
     output = open(os.path.join(tmp_dir, "gpu_bench.output"), "w+")  # a file: a pipe nobody reads yet could fill
     process = subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
                                stdout=output, stderr=subprocess.STDOUT, text=True)
@@ -56,7 +56,9 @@ def tiny_gpu_check_started(tmp_path_factory):
     """The dry run behind tiny_gpu_check, started: (its folder, what start_gpu_bench returned). test_gpu_check.py
     starts it with the module, so that it runs while the module's other tests do."""
     tmp_dir = tmp_path_factory.mktemp("gpu_check")
-    return tmp_dir, start_tiny_dry_run(tmp_dir)
+    started = start_tiny_dry_run(tmp_dir)
+    yield tmp_dir, started
+    started[0].wait(timeout=600)  # when no test read it (a -k selection), it still ends before pytest does
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +78,7 @@ def start_tiny_dry_run(tmp_dir):
                            DEADLINE=str(3 * 540))
 
 
-@functools.cache  # one listing per setting for the session
+@functools.cache  # one listing per setting for the whole test run
 def parsed_commands(tiny):
     """(the dry run's listing, [(script, flags)] of its bench.py configurations, learning runs and NCCL check), at the
     real flags (tiny "") or the CPU dry run's (tiny "1")."""

@@ -1,21 +1,20 @@
-"""The GPU check (benchmarks/gpu_bench.sh -> gpu_check.py, gpu_preflight.py, gpu_pytest_log.py, bench.py) on the CPU:
-its budgets add up in the order of value; one dry run at tiny flags (started with the module, read by its last two
-tests) runs the first five steps into at most 8 whole files; the whole table at a scaled deadline gives every step its
-budget or "no time", injects a failure, flags a failed and a stopped learning run and packs the runs as they end; a cut
-pytest still reports the tests that ran; .whl/ is checked before anything runs. The real run needs the lent GPU
-machine."""
+"""The GPU check (benchmarks/gpu_bench.sh -> gpu_check.py, gpu_preflight.py, gpu_flops.py, gpu_pytest_log.py,
+bench.py) on the CPU: its budgets add up in the order of value; one dry run at tiny flags (started with the module, read
+by its last two tests) runs the first five steps into whole files, with the speed figures that tell which bound binds;
+the whole table at a scaled deadline gives every step its budget or "no time", injects a failure, flags a failed and a
+stopped learning run and packs the runs as they end; a cut pytest still reports the tests that ran. The real run needs
+a CUDA GPU."""
 import json
 import os
 import re
-import subprocess
 import sys
 import tarfile
 
 import conftest
 import pytest
 from conftest import ROOT
-# tiny_gpu_check and tiny_gpu_check_started: session fixtures
-from gpu_bench_commands import gpu_bench, parsed_commands, tiny_gpu_check, tiny_gpu_check_started  # noqa: F401
+# tiny_gpu_check and tiny_gpu_check_started: fixtures shared by the whole test run
+from gpu_bench_commands import parsed_commands, tiny_gpu_check, tiny_gpu_check_started  # noqa: F401
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
@@ -41,11 +40,11 @@ def settings_in(tmp_path, **changes):
 
 
 def test_the_budgets_add_up_in_the_order_of_value(tmp_path):
-    """At the default deadline every step gets its whole budget: the budgets, gpu_bench.sh's set-up and the reserve fit
-    540 s; speed at the defaults, PPG's phases and learning come first; the docstring's and docs' tables are TABLE."""
+    """At the default deadline every step gets its whole budget: the budgets and the reserve fit 540 s; speed at the
+    defaults, PPG's phases and learning come first; the docstring's and docs' tables are TABLE."""
     steps = gpu_check.plan(settings_in(tmp_path))
     assert [step.name for step in steps] == ORDER
-    usable = gpu_check.DEADLINE_S - gpu_check.SETUP_S - gpu_check.RESERVE_S
+    usable = gpu_check.DEADLINE_S - gpu_check.RESERVE_S
     assert sum(step.budget_s for step in steps) <= usable
     assert all(0 < step.need_s <= step.budget_s for step in steps)
     learning = steps[ORDER.index("learning")]
@@ -60,27 +59,29 @@ def test_the_budgets_add_up_in_the_order_of_value(tmp_path):
 
 
 def learning_runs(out):
-    """Stand-ins for the learning runs: PPG fails at once; PPO reports whether learning.tar.gz was in OUT a moment
-    later (packed as PPG's run ended), then plays on past the step's budget."""
+    """Stand-ins for the learning runs: on StarPilot PPG fails at once and PPO reports whether learning.tar.gz was in
+    OUT a moment later (packed as PPG's run ended), then plays on past the step's budget; on BigFish both end well."""
     ppo = ("import os, time; time.sleep(1); "
            f"print('packed' if os.path.exists({str(out / 'learning.tar.gz')!r}) else 'not packed', flush=True); "
            "time.sleep(60)")
-    return {"ppo_procgen.py": [sys.executable, "-c", ppo],
-            "ppg_procgen.py": [sys.executable, "-c", "print('error: no games'); raise SystemExit(3)"]}
+    return {("ppo_procgen.py", "starpilot"): [sys.executable, "-c", ppo],
+            ("ppg_procgen.py", "starpilot"): [sys.executable, "-c", "print('error: no games'); raise SystemExit(3)"],
+            ("ppo_procgen.py", "bigfish"): [sys.executable, "-c", "print('learned')"],
+            ("ppg_procgen.py", "bigfish"): [sys.executable, "-c", "print('learned')"]}
 
 
 def test_a_scaled_deadline_gives_every_step_its_budget_or_no_time(tmp_path, monkeypatch, capsys):
-    """The whole table at 10 % of its time, each command a stand-in, the deadline short of the table (as when the device
-    tool has less than 600 s left): ppo-speed plays past its budget and is cut with its JSON so far in OUT, ppg-speed's
+    """The whole table at 10 % of its time, each command a stand-in, the deadline short of the table (as in a job whose
+    time limit is shorter than the table): ppo-speed plays past its budget and is cut with its JSON so far in OUT, ppg-speed's
     injected failure does not stop learning, learning's two runs are flagged (failed, stopped) within its budget and
     packed as they end, and each later step is skipped with the seconds it needed. A kill's leftover .tmp is gone."""
     # 10 %; the deadline: the 15 s reserve, ppo-speed's 40 s (its SIGTERM comes 10 s before its 50 s budget),
-    # learning's 170 s and 7.5 s: learning gets its whole budget with 7.5 s to spare, and what is left after it is
+    # learning's 185 s and 7.5 s: learning gets its whole budget with 7.5 s to spare, and what is left after it is
     # short of the results' 15 s by about as much: 0.75 s either way. At 3 % and 5 % a loaded machine's jitter (a
     # step's kill, a process start) went over the margins of 0.15 and 0.25-0.4 s, one way or the other.
     scale = 0.1
     settings = settings_in(tmp_path, scale=scale, reserve_s=gpu_check.RESERVE_S * scale,
-                           grace_s=gpu_check.GRACE_S * scale, deadline_s=scale * (15 + 40 + 170 + 7.5))
+                           grace_s=gpu_check.GRACE_S * scale, deadline_s=scale * (15 + 40 + 185 + 7.5))
     out = tmp_path / "out"
     (out / "summary.json.1234.tmp").write_text("{")  # what a kill mid-write would leave
     bench_so_far = json.dumps({"configs": {}, "results": [{"config": "defaults", "sps_median": 1.0}]})
@@ -94,11 +95,11 @@ def test_a_scaled_deadline_gives_every_step_its_budget_or_no_time(tmp_path, monk
         steps.append(step)
     runs = learning_runs(out)
 
-    def stand_in(settings, script, total_timesteps):
-        return runs[script]
+    def stand_in(settings, script, total_timesteps, game, mode):
+        return runs[script, game]
 
     monkeypatch.setattr(gpu_check, "learning_command", stand_in)
-    assert gpu_check.run_check(settings, steps, [], "ppg-speed", "") == 1
+    assert gpu_check.run_check(settings, steps, [], "ppg-speed") == 1
     summary = json.loads((out / "summary.json").read_text())
     entries = {entry["name"]: entry for entry in summary["steps"]}
     assert [entry["name"] for entry in summary["steps"]] == ORDER
@@ -107,18 +108,19 @@ def test_a_scaled_deadline_gives_every_step_its_budget_or_no_time(tmp_path, monk
     assert json.loads((out / "ppo.json").read_text())["results"][0]["config"] == "defaults"
     assert entries["ppg-speed"]["status"] == "failed" and "failure injected" in entries["ppg-speed"]["output_tail"]
     learning = entries["learning"]
-    assert learning["timeout_s"] == pytest.approx(170 * scale) and learning["seconds"] <= 170 * scale + 0.5
+    assert learning["timeout_s"] == pytest.approx(185 * scale) and learning["seconds"] <= 185 * scale + 0.5
     assert learning["status"] == "failed"
-    assert learning["runs"]["ppg_procgen"]["status"] == "failed" and learning["runs"]["ppg_procgen"]["exit_code"] == 3
-    assert "error: no games" in learning["runs"]["ppg_procgen"]["output_tail"]
-    assert learning["runs"]["ppo_procgen"] == {"exit_code": learning["runs"]["ppo_procgen"]["exit_code"],
-                                               "last_line": "packed", "status": "stopped at the deadline"}
+    ppg, ppo = learning["runs"]["starpilot_ppg_procgen"], learning["runs"]["starpilot_ppo_procgen"]
+    assert ppg["status"] == "failed" and ppg["exit_code"] == 3 and "error: no games" in ppg["output_tail"]
+    assert ppo == {"exit_code": ppo["exit_code"], "last_line": "packed", "status": "stopped at the deadline"}
+    assert [learning["runs"][f"bigfish_{name}"]["status"] for name in ("ppo_procgen", "ppg_procgen")] == ["ok", "ok"]
     for name in ORDER[ORDER.index("results"):]:
         need = entries[name]["need_s"]
         assert entries[name]["status"] == "skipped", entries[name]
         assert re.fullmatch(rf"no time: \d+\.\d s left, needs {need:.1f} s", entries[name]["reason"]), entries[name]
     with tarfile.open(out / "learning.tar.gz") as archive:
-        assert {"ppo_procgen.log", "ppg_procgen.log"} <= set(archive.getnames())
+        assert {"starpilot_ppo_procgen.log", "starpilot_ppg_procgen.log", "bigfish_ppg_procgen.log"} <= set(
+            archive.getnames())
     assert sorted(os.listdir(out)) == ["learning.tar.gz", "ppo.json", "summary.json"] == summary["files"]
     assert "== ppg-speed: failed" in capsys.readouterr().out
 
@@ -170,49 +172,6 @@ def test_the_cuda_tests_step_collects_only_the_files_that_hold_cuda_tests():
     assert "-p gpu_pytest_log" in pytest_line
 
 
-def bundle(folder, names):
-    """A stand-in for gpu_wheels.sh's .whl/: the files, then their SHA256SUMS."""
-    (folder / "lib").mkdir(parents=True)
-    for name in names:
-        (folder / name).write_bytes(b"")
-    subprocess.run(["sha256sum", *names], cwd=folder, check=True, stdout=open(folder / "SHA256SUMS", "w"))
-
-
-def test_gpu_bench_checks_the_wheels_before_anything_runs(tmp_path):
-    """CHECK_WHEELS=1 here, and the run there before any step: one line naming gpu_wheels.sh when .whl/ is missing or
-    changed."""
-    def gpu_bench_sh(wheels, **environment):
-        env = {**os.environ, "WHEELS": str(wheels), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
-               **environment}
-        return subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench.sh")], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
-
-    missing = gpu_bench_sh(tmp_path / "nothing", CHECK_WHEELS="1")
-    assert missing.returncode == 1 and "benchmarks/gpu_wheels.sh" in missing.stdout
-    assert len(missing.stdout.splitlines()) == 1 and "no SHA256SUMS" in missing.stdout
-    bundle(tmp_path / "whl", ["a-1.0-py3-none-any.whl", "lib/libgpucheck.so.1"])
-    whole = gpu_bench_sh(tmp_path / "whl", CHECK_WHEELS="1")
-    assert whole.returncode == 0 and "is whole: the 2 files" in whole.stdout
-    (tmp_path / "whl" / "lib" / "libgpucheck.so.1").unlink()
-    broken = gpu_bench_sh(tmp_path / "whl", CHECK_WHEELS="1")
-    assert broken.returncode == 1 and "lib/libgpucheck.so.1" in broken.stdout and "gpu_wheels.sh" in broken.stdout
-    run = gpu_bench_sh(tmp_path / "nothing")  # the run itself: the same line, and no step
-    assert run.returncode == 1 and run.stdout == missing.stdout
-    assert os.listdir(tmp_path / "out") == ["gpu_bench.log"]
-
-
-def test_only_the_carried_libraries_the_machine_lacks_go_on_the_library_path(tmp_path):
-    """gpu_bench.sh links a carried library into its private folder only where the loader finds none (libc.so.6 is
-    on every machine; the other name on none)."""
-    bundle(tmp_path / "wheels", ["lib/libc.so.6", "lib/libgpucheck_absent.so.1"])
-    _, summary, files, log = gpu_bench(tmp_path / "out", tmp_path, WHEELS=str(tmp_path / "wheels"),
-                                       GPU_CHECK_STEPS="results")
-    assert summary["libraries_linked"] == ["libgpucheck_absent.so.1"]
-    assert "the machine lacks, on LD_LIBRARY_PATH: libgpucheck_absent.so.1\n" in log
-    assert [step["status"] for step in summary["steps"]] == ["skipped"] * len(ORDER)
-    assert files == ["gpu_bench.log", "summary.json"]
-
-
 def test_bench_keeps_the_configurations_that_ran_and_records_a_failed_ones_error(tmp_path):
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit, match="2 of 3 configurations failed: indivisible, unknown"):
@@ -252,11 +211,12 @@ def test_ppg_policy_and_auxiliary_phases_are_measured_apart():
 def test_every_step_command_parses_at_tiny_and_at_real_flags():
     for tiny in ("", "1"):
         listing, parsed = parsed_commands(tiny)
-        assert len(parsed) == 1 + 1 + 2 + 2 + 1 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
-        assert ("--env-id bigfish" in listing) == bool(tiny)
+        assert len(parsed) == 1 + 1 + 2 + 2 + 2 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
+        assert ("--num-envs 2 " in listing) == bool(tiny)
+        assert "--env-id bigfish --distribution-mode hard" in listing  # the learning check's second game
 
 
-def test_the_dry_run_reports_every_step_into_at_most_8_whole_files(tiny_gpu_check):  # noqa: F811
+def test_the_dry_run_reports_every_step_into_whole_files(tiny_gpu_check):  # noqa: F811
     run = tiny_gpu_check
     assert [step["name"] for step in run.summary["steps"]] == ORDER
     # Only the preflight fails (no CUDA here), and the exit status says so.
@@ -268,21 +228,25 @@ def test_the_dry_run_reports_every_step_into_at_most_8_whole_files(tiny_gpu_chec
     assert preflight["missing"].startswith("missing: CUDA:") and ";" not in preflight["missing"]
     assert preflight["report"]["procgen_step"] == "ok" and preflight["report"]["packages"]["procgen-mirror"]
     assert "preflight: missing: CUDA:" in run.log
-    for name in ("ppo-speed", "ppg-speed"):
-        assert run.steps[name]["status"] == "ok" and run.steps[name]["results"][0]["sps_median"] > 0
+    for name in ("ppo-speed", "ppg-speed"):  # with the figures that tell which bound binds
+        (result,) = run.steps[name]["results"]
+        assert run.steps[name]["status"] == "ok" and result["sps_median"] > 0
+        assert 0 < result["env_ms_per_vector_step"] <= result["ms_per_vector_step"]
+        assert result["update_flop"] > 0 and result["update_tflops"] > 0
     learning = run.steps["learning"]
     assert learning["status"] == "ok", run.finished.stdout[-3000:]
-    assert {name: r["status"] for name, r in learning["runs"].items()} == {"ppo_procgen": "ok", "ppg_procgen": "ok"}
+    assert {name: r["status"] for name, r in learning["runs"].items()} == {
+        f"{game}_{name}": "ok" for game in ("starpilot", "bigfish") for name in ("ppo_procgen", "ppg_procgen")}
     assert learning["seconds"] <= learning["budget_s"]
     assert run.steps["results"]["status"] == "ok" and run.steps["results"]["on_track"]
     assert all(run.steps[name]["reason"] == "not selected (--steps)" for name in ORDER[5:])
     assert run.files == sorted(["gpu_bench.log", "summary.json", "ppo.json", "ppg.json", "learning.tar.gz",
-                                "bigfish_easy.png", "aggregate.md"])
+                                "starpilot_easy.png", "bigfish_hard.png", "aggregate.md"])
     assert run.summary["files"] == run.files  # its last rewrite lists them all
     with tarfile.open(run.out / "learning.tar.gz") as archive:
         names = archive.getnames()
-    assert sum(name.endswith("/metrics.jsonl") for name in names) == 2
-    assert {"ppo_procgen.log", "ppg_procgen.log", "results/aggregate.md"} <= set(names)
+    assert sum(name.endswith("/metrics.jsonl") for name in names) == 4
+    assert {"starpilot_ppo_procgen.log", "bigfish_ppg_procgen.log", "results/aggregate.md"} <= set(names)
 
 
 def test_benchmark_harness_at_tiny_flags(tiny_gpu_check):  # noqa: F811

@@ -1,8 +1,9 @@
-"""The story first (issue 16), lean plumbing (issue 24): each script reads top to bottom as its algorithm, with the
-plumbing in an appendix below `train`. These tests measure the budgets instead of trusting the eye."""
+"""Each script reads top to bottom as its algorithm, with the plumbing in an appendix below `train`: these tests
+check that structure (what comes before what, which calls the story makes), not the files' sizes."""
 import ast
 import difflib
 import os
+import re
 import subprocess
 import tempfile
 
@@ -11,23 +12,7 @@ from conftest import ROOT
 
 MARKER = "# ---- Appendix: plumbing ----"
 SCRIPTS = ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py"]
-# Budgets in lines: the whole file, the appendix (after the marker), the story (to the end of `train`) and `train`
-# itself. Issue 24 asked for whole 1000 / 1150 / 1250 / 1150, appendix 470 / 530 / 600 / 380 and PPG's train <= 100
-# (PPO, PPG, IMPALA, RLHF). Those are not met: without `Run` the shared plumbing still holds ~555 lines of code that
-# users see (resume, atomic saves with the full-disk line, signals, torchrun, TensorBoard/wandb, evaluation, video),
-# and PPG's train needs ~16 lines PPO's has not (B, the second optimizer, the phase trigger). The ceilings below are
-# the measured sizes of that honest code, so that nothing grows back unseen; lowering them is open work (issue 24).
-# PPO's story is 4 lines over issue 24's 520 since issue 27 added `--init glorot` (baselines' TensorFlow init, one
-# of the cause study's candidates): `init_layer`, shared by the three scripts. Issue 33 (nothing lost under kill -9,
-# a signal honoured at the next rollout step or minibatch) added, measured here: `write_atomically` (15 lines in each
-# script, the RLHF toy's too) and the removal of a killed write's .tmp files on resume (4) to the appendix,
-# `Interrupted` and `StopOnSignal.check` (8; StopOnSignal is now 64 lines), and to PPO's and PPG's `train` the copy
-# of the last whole iteration (2), the checkpoint's path (1), the rollout's check (1) and the `except Interrupted` (3).
-WHOLE_LINES = {"ppo_procgen.py": 1245, "ppg_procgen.py": 1420, "vtrace.py": 1512, "ppo_rlhf_toy.py": 1205}
-APPENDIX_LINES = {"ppo_procgen.py": 704, "ppg_procgen.py": 784, "vtrace.py": 834, "ppo_rlhf_toy.py": 421}
-STORY_LINES = {"ppo_procgen.py": 539, "ppg_procgen.py": 634, "vtrace.py": 680, "ppo_rlhf_toy.py": 800}
-TRAIN_LINES = {"ppo_procgen.py": 105, "ppg_procgen.py": 120, "vtrace.py": 110, "ppo_rlhf_toy.py": 80}
-APPENDIX_BLOCK_LINES = 64  # no function or class in an appendix is longer (StopOnSignal: 60 before issue 33)
+SCREEN_LINES = 64  # no function or class in an appendix is longer than one screen of a laptop's editor
 # Top-level names that are plumbing wherever they appear: none of them may be defined before `train`.
 PLUMBING = {"Run", "Logger", "ProcgenVecEnv", "FramesToDevice", "PROCGEN_RANGES", "RUNTIME_FLAGS", "CPU_NOTE",
             "normalized_score", "evaluate", "write_video", "setup_distributed", "thread_split", "thread_budget",
@@ -39,10 +24,11 @@ PLUMBING = {"Run", "Logger", "ProcgenVecEnv", "FramesToDevice", "PROCGEN_RANGES"
 # A name that is part of one script's story (the RLHF toy's evaluation stage) is not plumbing there.
 STORY_NAMES = {"ppo_rlhf_toy.py": {"evaluate"}}
 # What the diff of the PPO and PPG stories may not call (judged on the code's calls, not on substrings): logging,
-# signals, torch.distributed, checkpoints, print and timing. Calls by name, and calls of a method on these objects.
+# signals, torch.distributed, checkpoints and print. Calls by name, and calls of a method on these objects. Timers
+# are not in the list: both stories time their parts (rollout, update; PPG's phases) for the iteration's row.
 PLUMBING_CALLS = {"print", "Logger", "log_iteration", "StopOnSignal", "save_checkpoint", "load_checkpoint", "restore",
                   "checkpoint_state", "exit_nonfinite", "torch.save", "torch.load"}
-PLUMBING_RECEIVERS = {"logger", "signal", "dist", "torch.distributed", "time"}
+PLUMBING_RECEIVERS = {"logger", "signal", "dist", "torch.distributed"}
 
 
 def read(name):
@@ -59,17 +45,6 @@ def train_node(source):
 def story(source):
     """Line 1 to the last line of `train`."""
     return source.splitlines()[: train_node(source).end_lineno]
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_story_is_short(name):
-    assert len(story(read(name))) <= STORY_LINES[name]
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_train_is_short(name):
-    node = train_node(read(name))
-    assert node.end_lineno - node.lineno + 1 <= TRAIN_LINES[name]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -111,9 +86,46 @@ def changed_lines(first, second):
     return [line for line in result.stdout.splitlines() if line[:1] in "<>"]
 
 
-def test_ppo_to_ppg_diff_is_at_most_230_lines():
-    changed = changed_lines(read("ppo_procgen.py").splitlines(), read("ppg_procgen.py").splitlines())
-    assert 0 < len(changed) <= 230, f"{len(changed)} changed lines"
+# The pages that say what `diff ppo_procgen.py <script>` shows, with the number of changed lines they quote.
+DIFF_CLAIMS = {"ppg_procgen.py": "docs/ppg.md", "vtrace.py": "docs/impala.md"}
+
+
+def documented_diff_size(page, script):
+    """The N of "`diff ppo_procgen.py <script>` ... N changed lines" on `page`."""
+    text = " ".join(read(page).split())
+    match = re.search(rf"`diff ppo_procgen.py {re.escape(script)}`[^.]*?\b([0-9][0-9,]*) changed lines", text)
+    assert match, f"{page} does not say how many lines `diff ppo_procgen.py {script}` changes"
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("script", sorted(DIFF_CLAIMS))
+def test_the_docs_say_what_the_diff_with_ppo_holds(script):
+    """The reader is told to read `diff ppo_procgen.py <script>` and how long it is; the count stays true (within 10 %,
+    so that a comment does not fail the suite, but a diff that doubles does)."""
+    changed = changed_lines(read("ppo_procgen.py").splitlines(), read(script).splitlines())
+    documented = documented_diff_size(DIFF_CLAIMS[script], script)
+    assert abs(len(changed) - documented) <= 0.1 * documented, (
+        f"`diff ppo_procgen.py {script}` changes {len(changed)} lines; {DIFF_CLAIMS[script]} says {documented}")
+
+
+def test_ppg_train_shows_both_phases_of_algorithm_1():
+    """PPG's `train` shows Algorithm 1: a policy phase that adds (s_t, V_targ) to B before the iteration's log line,
+    then the auxiliary phase under its own heading, calling `auxiliary_phase` itself; the auxiliary minibatch rule
+    (`aux_rollouts_per_rank`) is part of the story, defined before `train`."""
+    source = read("ppg_procgen.py")
+    node = train_node(source)
+    body = ast.get_source_segment(source, node)
+    calls = [dotted_name(call.func) for call in ast.walk(node) if isinstance(call, ast.Call)]
+    assert {"ppo_update", "compute_gae", "auxiliary_phase"} <= set(calls)
+    lines = body.splitlines()
+    policy = next(i for i, line in enumerate(lines) if line.strip().startswith("# Policy phase"))
+    add_to_b = next(i for i, line in enumerate(lines) if "Add all (s_t, V_targ" in line)
+    log = next(i for i, line in enumerate(lines) if "log_iteration(" in line)
+    auxiliary = next(i for i, line in enumerate(lines) if line.strip().startswith("# Auxiliary phase (every N_pi"))
+    phase_call = next(i for i, line in enumerate(lines) if "auxiliary_phase(" in line)
+    assert policy < add_to_b < log < auxiliary < phase_call
+    definitions = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    assert definitions.index("aux_rollouts_per_rank") < definitions.index("train")
 
 
 def dotted_name(node):
@@ -191,17 +203,9 @@ def test_the_story_diff_check_can_fail():
     assert found == ["line 3: halt.requested()"]
     _, found = story_diff_plumbing(base, base.replace("x = 1", "x = f(\n            dist.get_rank())"))
     assert found == ["line 4: dist.get_rank()"]
-    _, found = story_diff_plumbing(base, base.replace("x = 1", "print(x)\n        y = time.perf_counter()"))
-    assert found == ["line 3: print()", "line 4: time.perf_counter()"]
+    _, found = story_diff_plumbing(base, base.replace("x = 1", "print(x)\n        y = logger.log(x)"))
+    assert found == ["line 3: print()", "line 4: logger.log()"]
     assert changed_lines(["a", "b"], ["a", "c"]) == ["< b", "> c"]
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_whole_file_and_appendix_are_short(name):
-    lines = read(name).splitlines()
-    assert len(lines) <= WHOLE_LINES[name], f"{len(lines)} lines"
-    appendix = lines[lines.index(MARKER) + 1:]
-    assert len(appendix) <= APPENDIX_LINES[name], f"{len(appendix)} appendix lines"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -212,6 +216,6 @@ def test_no_appendix_function_or_class_is_long(name):
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.lineno > marker_line:
             first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
-            if node.end_lineno - first + 1 > APPENDIX_BLOCK_LINES:
+            if node.end_lineno - first + 1 > SCREEN_LINES:
                 long_blocks.append(f"{node.name} ({node.end_lineno - first + 1} lines)")
-    assert not long_blocks, f"appendix blocks over {APPENDIX_BLOCK_LINES} lines: {long_blocks}"
+    assert not long_blocks, f"appendix blocks over {SCREEN_LINES} lines: {long_blocks}"

@@ -137,6 +137,37 @@ def test_value_only_epochs_leave_the_policy_network_alone():
     assert not all(torch.equal(p, q) for p, q in zip(value_weights, agent.value_trunk.parameters()))
 
 
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+def test_policy_phase_value_step_is_the_official_one(optimizer_name):
+    """At PPG's defaults one policy-phase step moves the value network exactly as the official code's does: that
+    code minimizes 0.5 * mean((V - V_targ)^2) (`vfcoef` 0.5 times the mean squared error), which is the paper's
+    L^value = 1/2 E[(V - V_targ)^2] with weight 1. The reference below takes that step by hand on a copy. SGD shows
+    the gradient itself; Adam shows that no constant factor is left for its epsilon to turn into a different step."""
+    torch.manual_seed(5)
+    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=1, minibatch_unit="frames")
+    agent = ppg.Agent(args, num_actions=15)
+    batch = tiny_batch(agent)
+    reference = copy.deepcopy(agent)
+
+    def make_optimizer(parameters):
+        if optimizer_name == "sgd":
+            return torch.optim.SGD(parameters, lr=1.0)
+        return torch.optim.Adam(parameters, lr=args.learning_rate, eps=args.adam_eps)
+
+    def value_weights(model):
+        return torch.cat([p.detach().flatten() for p in [*model.value_trunk.parameters(), *model.critic.parameters()]])
+
+    before = value_weights(agent)
+    ppg.ppo_update(agent, make_optimizer(agent.networks()), batch, args, args.e_pi, args.e_v, contextlib.nullcontext)
+    optimizer = make_optimizer([*reference.value_trunk.parameters(), *reference.critic.parameters()])
+    value = reference(batch["obs"])[1]
+    (0.5 * ((value - batch["returns"]) ** 2).mean()).backward()  # the official code's value loss
+    optimizer.step()
+    ours, official = value_weights(agent) - before, value_weights(reference) - before
+    assert official.abs().max() > 0
+    torch.testing.assert_close(ours, official, rtol=1e-3, atol=1e-3 * official.abs().max().item())
+
+
 def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch):
     """--e-aux 0: PPG's whole loop (rollouts, GAE, policy-phase updates, logging) reproduces PPO's loop run on the
     same networks with the same settings, number for number."""
@@ -145,6 +176,7 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     monkeypatch.setattr(ppo, "Agent", ppg.Agent)
     common = dict(env_id="coinrun", total_timesteps=4 * 64, num_envs=4, num_steps=16, num_minibatches=2,
                   channels=(4,), hidden_size=16, eval_every=2, eval_episodes=2, adv_norm="batch", init="normed",
+                  vf_coef=1.0,
                   max_grad_norm=float("inf"), clip_vloss=False, adam_eps=1e-8, reward_norm_gamma=0.99,
                   minibatch_unit="games", torch_threads=1)
     ppo_args = ppo.Args(**common, update_epochs=1)
@@ -168,7 +200,7 @@ def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
 
 
 def test_bad_ppg_flags_fail_at_once():
-    # A checkpoint inside a phase resumes at its place in the phase (issue 21), so --save-every is free (issue 17).
+    # A checkpoint inside a phase resumes at its place in the phase, so --save-every may be any number.
     ppg.check_args(ppg.Args(save_every=100))
     ppg.check_args(ppg.Args(save_every=100, save_model=True))
     with pytest.raises(SystemExit, match="--minibatch-unit games splits each rank's 64 envs into --num-minibatches 128"):
@@ -187,8 +219,8 @@ def read_rows(run_dir):
 
 
 def test_ppg_learns_the_cue_task(ppg_cue_run):
-    """The session's PPG run on the cue task (conftest.py's PPG_CUE, trained once: test_exercises.py's full PPG grade
-    reads the same run)."""
+    """The PPG run on the cue task that the test suite trains once (conftest.py's PPG_CUE; test_exercises.py's full
+    PPG grade reads the same run)."""
     rows = read_rows(ppg_cue_run.run_dir)
     assert rows[-1]["eval/episodic_return"] > 4.0, rows[-1]  # random play: 8/15 per episode
     aux_rows = [r for r in rows if "aux/kl" in r]
@@ -214,7 +246,7 @@ def test_budget_and_annealing_follow_the_global_step(cue_env, in_tmp, capsys):
 
 
 def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
-    """Issue 26: a run of a whole number of phases ends after its last policy phase, as the PPG code's loop does
+    """A run of a whole number of phases ends after its last policy phase, as the PPG code's loop does
     (openai/phasic-policy-gradient ppg.py 259-260 leaves before the auxiliary phase): 2 phases of N_pi = 2, one
     auxiliary phase (the old loop ran two); 5 iterations still get the one after iteration 4."""
     cue_env(ppg)
@@ -227,7 +259,7 @@ def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
 
 
 def test_on_track_line_names_the_run_as_its_args_json(tmp_path, monkeypatch):
-    """The in-run line comes from benchmarks/reference/on_track.py (issue 24), which picks PPG's anchor from the run's
+    """The in-run line comes from benchmarks/reference/on_track.py, which picks PPG's anchor from the run's
     script and flags, as results.py does from args.json: the script's name and --arch, --policy-loss reach it."""
     monkeypatch.setattr(ppg, "__file__", str(tmp_path / "ppg_procgen.py"))
     monkeypatch.delitem(sys.modules, "on_track", raising=False)
@@ -364,9 +396,8 @@ def resume_to_the_end(monkeypatch, path):
 
 
 def test_ctrl_c_in_a_policy_phase_stops_at_the_next_minibatch(cue_env, in_tmp, monkeypatch):
-    """The first Ctrl-C in the middle of a policy phase stops that iteration at its next minibatch (issue 33; issue 21
-    made it stop at the iteration's end, before that at the phase's end): the iteration in flight is dropped, the
-    checkpoint is the one before, and nothing of the auxiliary buffer is in it."""
+    """The first Ctrl-C in the middle of a policy phase stops that iteration at its next minibatch: the iteration in
+    flight is dropped, the checkpoint is the one before, and nothing of the auxiliary buffer is in it."""
     cue_env(ppg)
     signal_on_call(monkeypatch, "ppo_update", 5, signal.SIGINT)  # in iteration 5, the second of the second phase
     with pytest.raises(SystemExit, match="130"):
@@ -441,7 +472,7 @@ def test_nonfinite_checkpoint_inside_a_phase_resumes_like_a_stop(cue_env, in_tmp
 
 
 def test_pinned_buffer_counts_the_allocators_power_of_two(monkeypatch):
-    """The pinned host allocator rounds a block up to a power of two: the default 6.4 GB buffer takes 8 GiB (issue 21),
+    """The pinned host allocator rounds a block up to a power of two: the default 6.4 GB buffer takes 8 GiB,
     and that is what the memory check counts (unpinned, on a CPU run, it counts 6.0 GiB)."""
     monkeypatch.setattr(ppg, "available_memory", lambda device: 2**30)
     for device, gib in ((torch.device("cuda"), "8.0"), (torch.device("cpu"), "6.0")):  # CUDA is not touched
