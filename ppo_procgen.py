@@ -88,7 +88,7 @@ class Args:
     """width of the dense layer after the convolutions"""
     init: Literal["default", "normed", "glorot"] = "default"
     """weight init: PyTorch default + orthogonal heads (CleanRL PPO), the PPG code's per-unit normed init, or
-    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads; issue 27)"""
+    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads)"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""
@@ -482,7 +482,7 @@ def train(args):
 
                 # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
                 episode_returns, episode_lengths = [], []
-                rollout_start, env_seconds = time.perf_counter(), 0.0  # the rollout's, the games' share
+                rollout_start, env_seconds = time.perf_counter(), 0.0  # env_seconds: time inside the games
                 for step in range(args.num_steps):
                     stop.check()  # after a signal: raises Interrupted
                     global_step += args.num_envs

@@ -96,7 +96,7 @@ class Args:
     """width of the dense layer after the convolutions"""
     init: Literal["default", "normed", "glorot"] = "default"
     """weight init: PyTorch default + orthogonal heads (CleanRL PPO), the PPG code's per-unit normed init, or
-    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads; issue 27)"""
+    glorot: baselines' TensorFlow default (glorot-uniform trunk, zero biases, the same heads)"""
     # Environment
     env_id: str = "starpilot"
     """the Procgen game, one of the 16 in PROCGEN_RANGES"""

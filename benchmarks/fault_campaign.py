@@ -1,4 +1,4 @@
-"""The larger kill -9 campaign of issue 33 (the suite runs a few kills per script: tests/test_faults.py).
+"""The larger kill -9 campaign (the suite runs a few kills per script: tests/test_faults.py).
 
 Each Procgen script on CueEnv (tests/fault_driver.py) is killed with SIGKILL --kills times: at seeded moments of every
 kind its plumbing has (start-up, inside a rollout, a minibatch, PPG's auxiliary phase, IMPALA's iteration, between a
@@ -146,7 +146,7 @@ def write_atomically(path, data):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=24, help="kills per script (issue 33: at least 20)")
+    parser.add_argument("--kills", type=int, default=24, help="kills per script (at least 20 for a campaign worth reporting)")
     parser.add_argument("--iterations", type=int, default=64, help="iterations of each Procgen run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", help="JSON under benchmarks/results/")

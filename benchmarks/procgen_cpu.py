@@ -1,4 +1,4 @@
-"""StarPilot on a CPU against the baselines' pace (issue 27): the tables of docs/results.md's
+"""StarPilot on a CPU against the baselines' pace: the tables of docs/results.md's
 section "PPO on StarPilot on a 2-core CPU" from the committed runs in
 benchmarks/results/procgen_cpu/ (their args.json and metrics.jsonl), and its PPO-beside-IMPALA
 figure.

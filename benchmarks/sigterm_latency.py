@@ -1,4 +1,4 @@
-"""How long a SIGTERM takes to stop a script at its defaults (issue 33: SLURM's default grace before its SIGKILL is
+"""How long a SIGTERM takes to stop a script at its defaults (SLURM's default grace before its SIGKILL is
 30 s). Each --at value is one run of the script, in a folder of its own, sent SIGTERM that many seconds after it
 started; the time from the signal to the process's exit is its latency. The JSON keeps each run's exit status, its
 latency, the machine's load and the script's own stop line.

@@ -60,12 +60,12 @@ RLHF_TINY = dict(corpus_size=3000, sft_steps=200, num_pairs=2500, rm_epochs=3, r
 
 
 def shared_by_the_workers(tmp_path_factory, name, make):
-    """A folder that `make(folder)` fills once per session, however many pytest-xdist workers ask for it: the first
-    fills it under a file lock in the session's temporary directory, the others wait for it and read it (a session
-    fixture is otherwise made once per worker, and these runs are most of a worker's time)."""
+    """A folder that `make(folder)` fills once per test run, however many pytest-xdist workers ask for it: the first
+    fills it under a file lock in the test run's temporary directory, the others wait for it and read it (a
+    session-scoped fixture is otherwise made once per worker, and these runs are most of a worker's time)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's folder; each worker's own is below it
+        root = root.parent  # the test run's folder; each worker's own is below it
     folder = root / name
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -79,7 +79,7 @@ def shared_by_the_workers(tmp_path_factory, name, make):
 
 @pytest.fixture(scope="session")
 def rlhf_tiny_run(tmp_path_factory):
-    """One run of ppo_rlhf_toy.py at RLHF_TINY with --save-model, trained once for the session: test_rlhf.py's end
+    """One run of ppo_rlhf_toy.py at RLHF_TINY with --save-model, trained once per test run: test_rlhf.py's end
     to end test reads it, and test_exercises.py's full RLHF grade (the same flags) is given its summary."""
     import ppo_rlhf_toy
 
@@ -105,7 +105,7 @@ PPG_CUE = dict(env_id="coinrun", total_timesteps=6144, num_envs=16, num_steps=32
 
 @pytest.fixture(scope="session")
 def ppg_cue_run(tmp_path_factory):
-    """One run of ppg_procgen.py on CueEnv at PPG_CUE, trained once for the session, for the tests that read it
+    """One run of ppg_procgen.py on CueEnv at PPG_CUE, trained once per test run, for the tests that read it
     (test_exercises.py's full PPG grade is given it): its Args and its run directory's absolute path."""
     import ppg_procgen
 

@@ -1,4 +1,4 @@
-"""Kill -9 at a chosen moment (issue 33): one Procgen script's train() on CueEnv runs in a child process that
+"""Kill -9 at a chosen moment: one Procgen script's train() on CueEnv runs in a child process that
 SIGKILLs itself at the n-th occurrence of a named moment, as a preempting cluster would, but exactly there; the run
 is then resumed from its checkpoint until it ends. The same run stopped cleanly (SIGTERM at an iteration's end) at
 the iterations the kills resumed from is the reference it must equal, bit for bit.
@@ -295,7 +295,7 @@ def campaign(context, script, workdir, faults):
     return dict(script=script, run_dir=run_dir, records=records, reference_dir=reference_dir, codes=codes)
 
 
-# ---- What issue 33 asks of a campaign; each returns what went wrong, [] when nothing did ----
+# ---- What a campaign must show; each returns what went wrong, [] when nothing did ----
 def kill_problems(campaign):
     """Every kill landed (exit -9) and the last child ended the run; once a checkpoint exists every kill leaves one
     that loads (chain loaded each with weights_only=True), never an older one."""

@@ -1,4 +1,4 @@
-"""Nothing lost under kill -9 at any moment (issue 33). Each Procgen script on CueEnv is killed with SIGKILL at
+"""Nothing lost under kill -9 at any moment. Each Procgen script on CueEnv is killed with SIGKILL at
 seeded moments of each kind (tests/fault_driver.py: the instant of a checkpoint's or metrics.jsonl's rename, inside a
 rollout, a minibatch, PPG's auxiliary phase, IMPALA's iteration, the final evaluation, start-up) and resumed from its
 checkpoint until the run ends; then it must equal the same run stopped cleanly at the same iterations, bit for bit.

@@ -330,7 +330,7 @@ class ScriptedRewards(gym.vector.VectorEnv):
 
 
 def test_reward_normalizer_keeps_the_episode_history_at_its_last_step():
-    """Issue 17 item 5: 4-step episodes of reward 1, gamma 0.5: the statistics see G = 1, 1.5, 1.75, 1.875 and then
+    """4-step episodes of reward 1, gamma 0.5: the statistics see G = 1, 1.5, 1.75, 1.875 and then
     a new episode's 1, 1.5, ... (gymnasium 1.x's wrapper would feed 1.0 at the last step); each reward is divided by
     the std of all G so far."""
     rewards = np.ones((8, 1))
@@ -379,7 +379,7 @@ def test_reward_normalizer_matches_gym_0_23_semantics():
 
 
 def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch):
-    """Issue 17 item 2: PPO section 4 adapts beta to d, the KL the update reached. With one minibatch and one epoch
+    """PPO section 4 adapts beta to d, the KL the update reached. With one minibatch and one epoch
     the KL before the step is exactly 0, the KL after it is not: ppo_update measures it in a pass after the update,
     and train() feeds that one to beta's rule."""
     args, agent = tiny_agent()
@@ -416,7 +416,7 @@ def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch
 
 
 def test_official_kl_estimator_on_a_hand_made_example():
-    """Issue 17 item 3: the PPG code's PPG-KL (--clip_param 0 --kl_penalty 1) minimizes E[-r A] + 1 * 1/2 E[(log r)^2]
+    """the PPG code's PPG-KL (--clip_param 0 --kl_penalty 1) minimizes E[-r A] + 1 * 1/2 E[(log r)^2]
     over the sampled actions: --policy-loss kl-penalty --kl-beta 1 --kl-estimator official."""
     ratio = torch.tensor([2.0, 1.0, 0.25])
     advantages = torch.tensor([1.0, -1.0, 2.0])
@@ -430,7 +430,7 @@ def test_official_kl_estimator_on_a_hand_made_example():
 
 
 def test_minibatches_of_games_hold_whole_games_and_frames_are_unchanged():
-    """Issue 17 item 4: with --minibatch-unit games every step of a game (index t * num_games + n of the flattened
+    """with --minibatch-unit games every step of a game (index t * num_games + n of the flattened
     [num_steps, num_games] batch) lands in one minibatch, each minibatch holds num_games / num_minibatches games;
     'frames' is the shuffled split it always was (the same random numbers)."""
     args = ppo.Args(num_steps=16, num_envs=8, num_minibatches=4, minibatch_unit="games")
@@ -449,7 +449,7 @@ def test_minibatches_of_games_hold_whole_games_and_frames_are_unchanged():
 
 
 def test_paper_ppo_baseline_recipe_has_the_official_value_loss_scale():
-    """Issue 17 item 1: the PPG code's PPO baseline minimizes vfcoef * MSE = 0.5 * mean((V - R)^2) (no value
+    """the PPG code's PPO baseline minimizes vfcoef * MSE = 0.5 * mean((V - R)^2) (no value
     clipping); benchmarks/procgen_suite.sh's hard-mode PPO command must give the same value-loss term here."""
     import tyro
     environment = {**os.environ, "DRY_RUN": "1", "MODE": "hard", "GAMES": "coinrun", "SEEDS": "1",
@@ -464,7 +464,7 @@ def test_paper_ppo_baseline_recipe_has_the_official_value_loss_scale():
 
 
 def test_target_kl_compares_each_epochs_own_mean_kl():
-    """Issue 24 item 7: --target-kl (clip) stops the update after the first epoch whose own mean approximate KL
+    """--target-kl (clip) stops the update after the first epoch whose own mean approximate KL
     passes it. With one minibatch per epoch the first epoch's KL is exactly 0 (the rollout's own network), so after
     epoch 2 the mean over both epochs is half of epoch 2's own: a target between the two stops there, while the
     cumulative mean would go on to epoch 3."""
@@ -510,7 +510,7 @@ def test_cuda_flag_without_a_gpu_warns_once(cue_env, in_tmp, monkeypatch, capsys
 
 
 def test_resume_takes_the_checkpoints_flags_before_checking_them(cue_env, in_tmp, monkeypatch, capsys):
-    """Issue 26: --resume reads the checkpoint's flags first and checks those, so a flag given with it that is not
+    """--resume reads the checkpoint's flags first and checks those, so a flag given with it that is not
     in RUNTIME_FLAGS is ignored (here a --total-timesteps below one default iteration), and an error names the run's
     own numbers (its --num-envs 16, not the default 64)."""
     cue_env(ppo)
@@ -525,7 +525,7 @@ def test_resume_takes_the_checkpoints_flags_before_checking_them(cue_env, in_tmp
 
 
 def test_checkpoints_keep_the_keys_earlier_versions_wrote(cue_env, in_tmp):
-    """A checkpoint is one plain dict with the keys main has written since issue 21, so those resume as they are."""
+    """A checkpoint is one plain dict with the keys every release has written, so those resume as they are."""
     cue_env(ppo)
     run_dir = ppo.train(cue_args(ppo, total_timesteps=512, save_model=True))
     saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
@@ -533,7 +533,7 @@ def test_checkpoints_keep_the_keys_earlier_versions_wrote(cue_env, in_tmp):
 
 
 def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp_path, monkeypatch):
-    """Issue 24 item 3: the in-run line is benchmarks/reference/on_track.py's (the rule results.py --on-track uses),
+    """the in-run line is benchmarks/reference/on_track.py's (the rule results.py --on-track uses),
     given the run's args.json dict and its metrics.jsonl; a copy of the script without benchmarks/ skips it; sys.path
     is left as it was."""
     monkeypatch.delitem(sys.modules, "on_track", raising=False)
@@ -563,7 +563,7 @@ def test_on_track_line_comes_from_the_rules_module_and_is_skipped_without_it(tmp
 
 
 def test_evaluation_prints_the_windowed_line_of_the_logged_rows(tmp_path, monkeypatch, capsys):
-    """Issue 27: after the iteration's row is logged, the evaluation's on-track line reads the run's own rows: ours is
+    """After the iteration's row is logged, the evaluation's on-track line reads the run's own rows: ours is
     the mean of the last 8 iterations' last-100 returns, not the last one; rank 0 alone prints it, --no-on-track and
     a folder without training rows (--eval-only) print none."""
     monkeypatch.setattr(ppo, "evaluate", lambda agent, args, device, num_episodes, seed, video: [1.0] * num_episodes)

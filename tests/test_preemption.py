@@ -1,4 +1,4 @@
-"""Nothing lost in sweeps, full disks and preemptions (issue 21), on ppo_procgen.py's shared plumbing blocks: run
+"""Nothing lost in sweeps, full disks and preemptions, on ppo_procgen.py's shared plumbing blocks: run
 directories are never shared, a failed checkpoint or metrics write costs one line and nothing else, an unwritable
 runs/ fails before anything heavy, and a second signal stops at once with one line."""
 import dataclasses

@@ -1,4 +1,4 @@
-"""Issue 27: docs/results.md's StarPilot-on-a-CPU tables are the committed runs' numbers
+"""docs/results.md's StarPilot-on-a-CPU tables are the committed runs' numbers
 (benchmarks/procgen_cpu.py over benchmarks/results/procgen_cpu/); runs are grouped by the flags that
 differ from their script's defaults; IMPALA is read at its own iteration size and has no anchor; a
 resumed run's wall time is summed over its processes; the points and windows are the on-track rule's

@@ -294,7 +294,7 @@ def test_on_track_lines_for_runs_in_progress(tmp_path, capsys, ppg, train_procge
 
 
 def test_a_single_point_spike_flips_no_windowed_verdict():
-    """Issue 27: one iteration's last-100 mean moves by ~0.4, so a verdict from single points is chance. A spike in our
+    """One iteration's last-100 mean moves by ~0.4, so a verdict from single points is chance. A spike in our
     row at the step, or in an anchor seed's, flips the single-point verdict (np.interp at the step, the rule before)
     but not the windowed one; moving the whole window does flip it. The window is 8 reference rows, (step - W, step]."""
     import on_track
@@ -374,8 +374,8 @@ def test_windows_of_the_committed_cpu_runs_are_the_last_8_iterations(step, train
 
 def test_the_scripts_in_run_line_is_the_rules_modules(tmp_path):
     """Each Procgen script's on-track line is on_track.run_on_track_line of its own args.json dict and its run's
-    metrics.jsonl: PPO easy against baselines PPO, PPG's variants against their official folders, IMPALA none (issue 24
-    item 3); an --eval-only run's folder (no training row) gets no line."""
+    metrics.jsonl: PPO easy against baselines PPO, PPG's variants against their official folders, IMPALA none
+    (no anchor has its runs); an --eval-only run's folder (no training row) gets no line."""
     import on_track
     import ppg_procgen
     import ppo_procgen

@@ -203,7 +203,7 @@ def test_results_on_synthetic_runs(tmp_path, capsys):
     assert (tmp_path / "out2" / "bigfish_easy.png").stat().st_size > 0
 
 
-# ---- real runs of the three Procgen scripts, once per session ----
+# ---- real runs of the three Procgen scripts, once per test run ----
 TINY_RUNS = {  # a few seconds each on a 2-core CPU; PPG in hard mode, so that its anchor is missed for its flags
     "ppo_procgen.py": ["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "128"],
     "ppg_procgen.py": ["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "128",

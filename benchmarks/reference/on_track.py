@@ -128,7 +128,7 @@ def format_step(step):
 
 
 # The on-track rule. About 160 episodes end in a 16,384-step iteration of baselines PPO, so one logged row (the mean of
-# the last 100 episodes) is one iteration's statistic that moves by ~0.4 from row to row on StarPilot (issue 27): a
+# the last 100 episodes) is one iteration's statistic that moves by ~0.4 from row to row on StarPilot: a
 # single point on either side decides "below" or "above" by chance. Both sides are averaged over the same window
 # instead: the anchor's last WINDOW_ROWS logged iterations before the step.
 WINDOW_ROWS = 8
