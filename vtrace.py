@@ -801,13 +801,13 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0, num_threads=1,
-                 backend="auto"):
+    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0,
+                 num_threads=1, backend="auto"):
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
         self.backend = procgen_backend(backend)
-        self.options = dict(num_levels=num_levels, start_level=start_level, num_threads=num_threads)
-        self.env_id, self.distribution_mode = env_id, distribution_mode
+        self.options = dict(env_name=env_id, distribution_mode=distribution_mode,
+                            num_levels=num_levels, start_level=start_level, num_threads=num_threads)
         self.num_envs = num_envs
         self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
@@ -816,27 +816,14 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)  # seeds self.np_random, which picks the games' seed if none is given
+        super().reset(seed=seed)  # seeds self.np_random, which picks the seed if none is given
         self.close_extras()
         if seed is None:
             seed = int(self.np_random.integers(2**31 - 1))
+        self.env = make_games(self.backend, self.num_envs, seed, **self.options)
         if self.backend == "procgen":
-            with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports old gym: a notice
-                from procgen import ProcgenGym3Env
-            self.env = ProcgenGym3Env(num=self.num_envs, env_name=self.env_id, rand_seed=seed,
-                                      distribution_mode=self.distribution_mode, **self.options)
-            _, obs, _ = self.env.observe()
-            return obs["rgb"], {}
-        import envpool
-        task = f"{self.env_id.capitalize()}{self.distribution_mode.capitalize()}-v0"  # e.g. StarpilotEasy-v0
-        try:
-            self.env = envpool.make_gymnasium(task, num_envs=self.num_envs, seed=seed, channel_first=False,
-                                              **self.options)
-        except ImportError as error:  # EnvPool's Procgen loads the system's Qt 5 on Linux and macOS
-            raise SystemExit(f"error: --env-backend envpool: {error} (Debian/Ubuntu: apt-get install libqt5gui5; "
-                             "macOS: brew install qt@5)") from None
-        obs, _ = self.env.reset()
-        return obs, {}
+            return self.env.observe()[1]["rgb"], {}
+        return self.env.reset()[0], {}
 
     def step(self, actions):
         actions = np.asarray(actions, dtype=np.int32)
@@ -846,11 +833,12 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
             reward, obs, first = self.env.observe()
             return obs["rgb"], reward.astype(np.float64), first, no_truncation, {}
         obs, reward, terminated, truncated, _ = self.env.step(actions)
-        ended = terminated | truncated  # EnvPool calls the game's time-out a truncation; procgen, a termination
+        ended = terminated | truncated  # EnvPool calls a time-out a truncation; procgen does not
         if ended.any():
-            # EnvPool starts a finished game's next episode on the step after its end (ignoring that step's action,
-            # reward 0). Take that step now, for those games only, and return its first frame with the end: a
-            # rollout never holds the extra transition, so GAE and V-trace never bootstrap across an episode.
+            # EnvPool starts a finished game's next episode on the step after its end (ignoring
+            # that step's action, reward 0). Take that step now, for those games only, and return
+            # its first frame with the end: a rollout never holds the extra transition, so GAE and
+            # V-trace never bootstrap from one episode into the next.
             finished = np.flatnonzero(ended).astype(np.int32)
             first_frames, _, _, _, info = self.env.step(np.zeros(len(finished), np.int32), finished)
             obs[info["env_id"]] = first_frames
@@ -865,15 +853,33 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 def procgen_backend(choice):
     """'procgen' or 'envpool' for --env-backend CHOICE; 'auto' takes procgen-mirror where it is
     installed (the official package), else EnvPool. Finding a package imports nothing."""
-    installed = [name for name in ("procgen", "envpool") if importlib.util.find_spec(name) is not None]
+    installed = [name for name in ("procgen", "envpool") if importlib.util.find_spec(name)]
     backend = (installed or [None])[0] if choice == "auto" else choice
     if backend not in installed:
-        missing = {None: "neither procgen-mirror nor envpool is", "procgen": "procgen-mirror is not",
-                   "envpool": "envpool is not"}[backend]
-        raise SystemExit(f"error: --env-backend {choice}: {missing} installed; `pip install -r requirements.txt` "
-                         "installs the one for this platform (procgen-mirror on Linux x86-64 with CPython 3.11 "
-                         "and 3.12, EnvPool elsewhere; docs/platforms.md)")
+        missing = {None: "neither procgen-mirror nor envpool is", "envpool": "envpool is not",
+                   "procgen": "procgen-mirror is not"}[backend]
+        raise SystemExit(f"error: --env-backend {choice}: {missing} installed; `pip install -r "
+                         "requirements.txt` installs the one for this platform (procgen-mirror on "
+                         "Linux x86-64 with CPython 3.11 and 3.12, EnvPool elsewhere; "
+                         "docs/platforms.md)")
     return backend
+
+
+def make_games(backend, num_envs, seed, env_name, distribution_mode, **options):
+    """`num_envs` games of one backend, seeded by `seed`: procgen's gym3 env or EnvPool's."""
+    if backend == "procgen":
+        with contextlib.redirect_stderr(io.StringIO()):  # `import procgen` imports gym: a notice
+            from procgen import ProcgenGym3Env
+        return ProcgenGym3Env(num=num_envs, env_name=env_name, distribution_mode=distribution_mode,
+                              rand_seed=seed, **options)
+    import envpool
+    task = f"{env_name.capitalize()}{distribution_mode.capitalize()}-v0"  # e.g. StarpilotEasy-v0
+    try:
+        return envpool.make_gymnasium(task, num_envs=num_envs, seed=seed, channel_first=False,
+                                      **options)
+    except ImportError as error:  # EnvPool's Procgen loads the system's Qt 5 on Linux and macOS
+        raise SystemExit(f"error: --env-backend envpool: {error} (Debian/Ubuntu: apt-get install "
+                         "libqt5gui5; macOS: brew install qt@5)") from None
 
 
 def start_run(args):
