@@ -52,9 +52,12 @@ class Limits:
     """What one submission's child may use; a case it did not finish within them scores 0."""
     seconds: float = 120.0  # wall clock of the whole child (start-up, imports, every case)
     cpu_seconds: int = 90  # its CPU time (RLIMIT_CPU)
-    memory_bytes: int = 4 << 30  # its address space (RLIMIT_AS); importing torch reserves ~0.6 GiB of it
+    memory_bytes: int = 4 << 30  # each process's address space (RLIMIT_AS; importing torch reserves ~0.6 GiB of
+    # it) and, as root where the machine has cgroups, the memory of all its processes together
     output_bytes: int = 16 << 20  # each file it writes, its results and stderr included (RLIMIT_FSIZE)
-    processes: int = 64  # processes and threads of its uid (RLIMIT_NPROC; only as root, with a uid of its own)
+    files_bytes: int = 256 << 20  # as root: its private /tmp (with /var/tmp, /dev/shm), all files together
+    processes: int = 64  # processes and threads of its uid (RLIMIT_NPROC, and a cgroup's pids.max where there is
+    # one; only as root, with a uid of its own)
     case_seconds: float = 10.0  # a function that runs past this on one case is not run on its later cases
 
 
@@ -188,11 +191,13 @@ def preload_list(scripts):
                   and name != "__main__")
 
 
-def child_request(files, requests, limits, uid, preload):
-    """What the child reads (results/request.json): file names, limits, each (file, function)'s cases as INPUTS only."""
-    return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload,
+def child_request(files, requests, limits, uid, preload, cgroups):
+    """What the child reads (results/request.json): file names, limits, its cgroups, each (file, function)'s cases
+    as INPUTS only."""
+    return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload, "cgroups": cgroups,
             "limits": {"memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
-                       "cpu_seconds": limits.cpu_seconds, "processes": limits.processes if uid is not None else None},
+                       "files_bytes": limits.files_bytes, "cpu_seconds": limits.cpu_seconds,
+                       "processes": limits.processes if uid is not None else None},
             "requests": [{"file": file, "function": function,
                           "cases": [{"function": case.function, "name": case.name, "kind": case.kind,
                                      "inputs": grading.encode(case.inputs), "grads": list(case.grads)}
@@ -223,6 +228,64 @@ def prepare_folder(scripts, uid):
             for name in names:
                 os.chown(os.path.join(directory, name), uid, uid)
     return outer, home
+
+
+CGROUP = "/sys/fs/cgroup"
+
+
+def own_cgroup(controller):
+    """This process's cgroup folder for `controller` ("" for cgroup v2's unified tree), from /proc/self/cgroup."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(",") or controller == controllers:
+                return path
+    return None
+
+
+def cgroup_folders(uid, limits):
+    """As root: cgroups of the submission's own, with its memory (memory_bytes) and process count (processes)
+    summed over all its processes; the folders made, which the child joins (sandbox_child.join_cgroups). cgroup v2
+    where /sys/fs/cgroup is its tree and the memory and pids controllers are ours to use, else cgroup v1's memory
+    and pids hierarchies; [] where neither can be written (a container without them: the limits stay per process)."""
+    name = f"course_grader_{uid}"
+    if os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
+        settings = {"": {"memory.max": limits.memory_bytes, "memory.swap.max": 0, "pids.max": limits.processes}}
+    else:
+        settings = {"memory": {"memory.limit_in_bytes": limits.memory_bytes},
+                    "pids": {"pids.max": limits.processes}}
+    made = []
+    for controller, values in settings.items():
+        parent = own_cgroup(controller)
+        if parent is None:
+            break
+        folder = os.path.join(CGROUP, controller, parent.lstrip("/"), name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            made.append(folder)
+            for key, value in values.items():
+                if key != "memory.swap.max" or os.path.exists(os.path.join(folder, key)):
+                    with open(os.path.join(folder, key), "w") as f:
+                        f.write(str(value))
+        except OSError:
+            break
+    else:
+        return made
+    remove_cgroups(made)
+    return []
+
+
+def remove_cgroups(folders):
+    """Remove the submission's cgroups once its processes are gone (a killed one may take a moment to leave)."""
+    for folder in folders:
+        for _ in range(50):
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
 
 
 def remove_tree(path):
@@ -407,8 +470,9 @@ def run_child(scripts, requests, limits, uid, zygote):
     in the shared temporary folders and System V IPC is removed."""
     outer, home = prepare_folder(scripts, uid)
     private = tempfile.mkdtemp(prefix="sandbox_results_")  # root's own: the child opens its files before dropping
+    cgroups = cgroup_folders(uid, limits) if uid is not None else []
     try:
-        request = child_request(sorted(scripts), requests, limits, uid, preload_list(scripts))
+        request = child_request(sorted(scripts), requests, limits, uid, preload_list(scripts), cgroups)
         with open(os.path.join(private, "request.json"), "w") as f:
             json.dump(request, f, allow_nan=True)
         deadline = time.monotonic() + limits.seconds
@@ -428,6 +492,7 @@ def run_child(scripts, requests, limits, uid, zygote):
             zygote.forget(number)
             if uid is not None:
                 sweep(uid)
+                remove_cgroups(cgroups)
         lines = report_lines(os.path.join(private, "out"), limits.output_bytes)
         tail = tail_of(os.path.join(private, "err")).strip().splitlines()
         if ended == "ok" and returncode == -signal.SIGXCPU:

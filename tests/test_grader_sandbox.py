@@ -327,9 +327,32 @@ for _ in range(3000):
     _os.chdir("d")
 _os.chdir(_start)
 '''
+# Three forks that each hold 1 GiB for a moment: under the batch's --memory-gib 2.5, each within its address space
+# limit, 3 GiB together.
+FORKS = '''
+import os as _os
+import time as _time
+
+_children = []
+for _ in range(3):
+    _pid = _os.fork()
+    if _pid == 0:
+        try:
+            _held = b"\\x01" * (1 << 30)
+            _time.sleep(3)
+        except MemoryError:
+            _os._exit(3)
+        _os._exit(0)
+    _children.append(_pid)
+_statuses = [_os.waitstatus_to_exitcode(_os.waitpid(_pid, 0)[1]) for _pid in _children]
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError(f"FORKS {_statuses}")
+'''
 QUADRATIC = '''
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
-    raise RuntimeError("shape " * 200_000)
+    raise RuntimeError("shape " * 20_000)
 '''
 
 
@@ -351,7 +374,7 @@ def hostile_parent_submissions(folder, secret_file, repository):
     sources = {"b_deleted": script + DELETED_LOSSES, "b_globals": losses_hidden + HIDDEN_LOSSES,
                "b_visible": script + VISIBLE_LOSSES, "b_raises": script + RAISES, "b_flood": script + FLOOD,
                "b_huge": script + "\n" + "# padding\n" * 220_000, "b_leftovers": script + LEFTOVERS,
-               "b_quadratic": script + QUADRATIC, "=SUM(1+1)": script, os.fsdecode(b"b_\xff\xfe"): script}
+               "b_quadratic": script + QUADRATIC, "b_forks": script + FORKS, "=SUM(1+1)": script, os.fsdecode(b"b_\xff\xfe"): script}
     for student, source in sources.items():
         os.makedirs(os.path.join(folder, student))
         with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
@@ -445,7 +468,7 @@ def graded(tmp_path_factory):
     command = [sys.executable, "-c", PEAK, "timeout", "600", sys.executable,
                os.path.join(repository, "exercises", "instructor.py"), "batch", folder, "--exercises", "gae",
                "--secret-file", secret_file, "--out", out, "--jobs", "2", "--cpu-seconds", "4", "--case-seconds",
-               "2", "--seconds", "120", *([] if os.geteuid() == 0 else ["--unsafe-same-user"])]
+               "2", "--seconds", "120", "--memory-gib", "2.5", *([] if os.geteuid() == 0 else ["--unsafe-same-user"])]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
     environment["TMPDIR"] = temporary  # the grader's own (its children's folders go to /tmp, which all may cross)
     start = time.time()
@@ -692,8 +715,8 @@ def test_a_function_that_only_raises_scores_zero_everywhere(graded):
 
 
 def test_floods_and_huge_files_stay_small_in_the_grader_and_its_reports(graded):
-    """A 15 MB import error, a 2 MiB script (not read: over the 1 MiB cap), a 1.2 MB message that a quadratic regex
-    would take hours on: each scores 0 of 40 with a report of a few hundred KB at most, in a batch whose grader
+    """A 15 MB import error, a 2 MiB script (not read: over the 1 MiB cap), a 120 KB message that a quadratic regex
+    took 6 s a case on: each scores 0 of 40 with a report of a few hundred KB at most, in a batch whose grader
     (children included) stays under 1.5 GiB."""
     for student in ("b_flood", "b_huge", "b_quadratic"):
         assert earned_on_values(graded, student) == 0, student
@@ -712,6 +735,25 @@ def test_nothing_of_a_submission_outlives_the_batch(graded):
     assert not graded["left"], graded["left"]
     assert points(graded, "b_leftovers") == points(graded, "z_victim"), graded["reports"]["b_leftovers"][:2000]
     assert "grader failed" not in graded["reports"]["b_leftovers"]
+
+
+def cgroups_available():
+    from exercises import sandbox
+
+    folders = sandbox.cgroup_folders(1_599_999_999, sandbox.Limits()) if os.geteuid() == 0 else []
+    sandbox.remove_cgroups(folders)
+    return bool(folders)
+
+
+@AS_ROOT
+def test_the_memory_limit_holds_for_all_of_a_submissions_processes_together(graded):
+    """Three forks of 1 GiB each, each within its own address-space limit, 3 GiB together under --memory-gib 2.5:
+    with cgroups, not all three hold their memory at once (one is killed), and the submission earns nothing."""
+    if not cgroups_available():
+        pytest.skip("no cgroup this process may write: the memory limit is per process (docs/assignments.md)")
+    report = graded["reports"]["b_forks"]
+    assert earned_on_values(graded, "b_forks") == 0
+    assert "FORKS [0, 0, 0]" not in report and ("FORKS [" in report or "status -9" in report), report[:3000]
 
 
 def test_the_secret_is_refused_on_a_command_line_and_read_from_a_file(tmp_path, capsys):
@@ -782,7 +824,7 @@ def test_the_parent_reads_a_hostile_report_in_linear_time_and_one_line_ends_it()
 
     case = grading.Case("compute_gae", "forged", {"rewards": np.zeros((1, 1))}, expected=[np.zeros((1, 1))])
     requests = {("ppo_procgen.py", "compute_gae"): [case, case, case]}
-    record = {"type": "RuntimeError", "message": "shape " * 200_000 + "\ud800", "frames": "", "last_line": "",
+    record = {"type": "RuntimeError", "message": "shape " * 20_000 + "\ud800", "frames": "", "last_line": "",
               "blank": False, "floating_point": False}
     lines = [json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 0,
                          "observation": {"float64": {"error": record}}}),
