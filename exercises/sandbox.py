@@ -1,23 +1,30 @@
 """The instructor's sandbox: each submission runs in a child process of its own, which only computes; this process
-(the parent) decides every point.
+(the parent) decides every point and trusts nothing it reads.
 
-  parent: draws the cases, computes the expected outputs with the references, sends the child the INPUTS only
+  parent: reads each script only as a regular file of the student's folder's owner, never through a link, a FIFO
+          or a device, at most SCRIPT_BYTES; decides what is graded (every exercise function of the repository's
+          script of that name); draws the cases, computes the expected outputs with the references, sends the
+          child the INPUTS only
   zygote: one per batch: a fresh interpreter (python -I -B) in an empty temporary folder holding the public engine
           (exercises/sandbox_child.py, grading.py, texts.py) and nothing else; no repository on its sys.path, no
           secret in its argv, environment or files; it imports the standard library, torch, gymnasium, tyro and
           the engine, as root, and then only forks: it never runs a student's code nor holds a case or a grade
   child:  per submission, a fork of that pristine zygote (a copy of a freshly started interpreter that never saw
-          the references, the secret or another submission) in a temporary folder holding a copy of the
-          submission; as root, a uid of its own (no access to the instructor's files, no signal to other
-          processes, the zygote included); limits on wall clock, CPU time, memory, file size and processes
+          the references, the secret or another submission); as root, cgroups of its own (memory and processes
+          summed over the submission), mount, IPC and network namespaces of its own (a private tmpfs /tmp with
+          its copy of the submission; no network), and a uid of its own (no access to the instructor's files, no
+          signal to other processes, the zygote included); limits on wall clock, CPU time, memory, file size and
+          processes
   back:   one JSON line per observed case (outputs as arrays, dtypes, devices, errors): data, never code; the parent
-          checks their type and shape and judges them (grading.judge_exercise). A case the child never reported
-          (killed at a limit, crashed) scores 0: "timed out".
+          reads it within caps, line by line, and checks every field's type and shape before it judges them
+          (grading.judge_exercise). A case the child never reported (killed at a limit, crashed) scores 0: "timed
+          out". Then every process of the child's uid is killed and what it left behind is removed.
 
 What a process sandbox does not do (docs/assignments.md): it is not a container. The child can read every file
 that its uid may read (with a uid of its own: every world-readable file, the references' source among them,
-unless the repository is private), use the network, and claim anything about its own function in its report (a dtype, a
-step count): only values it could not compute without solving the exercise are out of its reach."""
+unless the repository is private), and claim anything about its own function in its report (a dtype, a step
+count): only values it could not compute without solving the exercise are out of its reach. Without root there is
+no uid, cgroup or namespace of its own (instructor.py refuses to run then, unless told otherwise)."""
 import ast
 import dataclasses
 import errno
@@ -238,41 +245,85 @@ def own_cgroup(controller):
     with open("/proc/self/cgroup") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
-            if controller in controllers.split(",") or controller == controllers:
+            if controller in controllers.split(","):  # "" is cgroup v2's line, "0::/path"
                 return path
     return None
+
+
+def ancestors():
+    """This process's pid and its ancestors' (the commands that started it: a shell, timeout, systemd-run)."""
+    pids, pid = set(), os.getpid()
+    while pid > 0 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+@functools.lru_cache(maxsize=None)
+def cgroup_v2_base():
+    """cgroup v2, as root: the folder under which the submissions' cgroups go, or None. A cgroup that holds
+    processes cannot hand memory and pids limits to sub-cgroups (the "no internal processes" rule), so the
+    processes of the grader's cgroup first move into a leaf of it, when they are only the grader and the commands
+    that started it (a scope of its own: `systemd-run --scope`); any other cgroup is left as it is (None: the limits
+    stay per process). Called before the zygote starts."""
+    path = own_cgroup("")
+    if path is None:
+        return None
+    folder = os.path.join(CGROUP, path.lstrip("/"))
+    try:
+        with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+            enabled = set(f.read().split())
+        if not {"memory", "pids"} <= enabled:
+            with open(os.path.join(folder, "cgroup.procs")) as f:
+                members = {int(pid) for pid in f.read().split()}
+            if members and not members <= ancestors():
+                return None
+            leaf = os.path.join(folder, "course_grader")
+            os.makedirs(leaf, exist_ok=True)
+            for pid in members:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            with open(os.path.join(folder, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+        return folder
+    except OSError:
+        return None
 
 
 def cgroup_folders(uid, limits):
     """As root: cgroups of the submission's own, with its memory (memory_bytes) and process count (processes)
     summed over all its processes; the folders made, which the child joins (sandbox_child.join_cgroups). cgroup v2
-    where /sys/fs/cgroup is its tree and the memory and pids controllers are ours to use, else cgroup v1's memory
-    and pids hierarchies; [] where neither can be written (a container without them: the limits stay per process)."""
-    name = f"course_grader_{uid}"
+    where /sys/fs/cgroup is its tree (cgroup_v2_base), else cgroup v1's memory and pids hierarchies; [] where they
+    cannot be written (a container without them: the limits stay per process)."""
     if os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
-        settings = {"": {"memory.max": limits.memory_bytes, "memory.swap.max": 0, "pids.max": limits.processes}}
+        base = cgroup_v2_base()
+        if base is None:
+            return []
+        settings = {base: {"memory.max": limits.memory_bytes, "memory.swap.max": 0, "pids.max": limits.processes}}
     else:
-        settings = {"memory": {"memory.limit_in_bytes": limits.memory_bytes},
-                    "pids": {"pids.max": limits.processes}}
+        memory, pids = own_cgroup("memory"), own_cgroup("pids")
+        if memory is None or pids is None:
+            return []
+        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): {"memory.limit_in_bytes": limits.memory_bytes},
+                    os.path.join(CGROUP, "pids", pids.lstrip("/")): {"pids.max": limits.processes}}
     made = []
-    for controller, values in settings.items():
-        parent = own_cgroup(controller)
-        if parent is None:
-            break
-        folder = os.path.join(CGROUP, controller, parent.lstrip("/"), name)
-        try:
+    try:
+        for base, values in settings.items():
+            folder = os.path.join(base, f"course_grader_{uid}")
             os.makedirs(folder, exist_ok=True)
             made.append(folder)
             for key, value in values.items():
                 if key != "memory.swap.max" or os.path.exists(os.path.join(folder, key)):
                     with open(os.path.join(folder, key), "w") as f:
                         f.write(str(value))
-        except OSError:
-            break
-    else:
-        return made
-    remove_cgroups(made)
-    return []
+    except OSError:
+        remove_cgroups(made)
+        return []
+    return made
 
 
 def remove_cgroups(folders):
@@ -294,13 +345,13 @@ def remove_tree(path):
     subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True, timeout=600)
 
 
-SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 IPC_KINDS = {"shm": "-m", "msg": "-q", "sem": "-s"}  # /proc/sysvipc/KIND -> ipcrm's flag
 
 
 def sweep(uid):
-    """As root, after every process of `uid` has been killed: remove what it left in the shared temporary folders
-    (/tmp, /var/tmp, /dev/shm: files, folders, POSIX shared memory) and its System V shared memory, message queues
+    """As root, after every process of `uid` has been killed: remove what it left in the folders every uid may write
+    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory) and its System V shared memory, message queues
     and semaphores, so that nothing of a submission outlives it."""
     for folder in SHARED_FOLDERS:
         try:
@@ -365,6 +416,8 @@ class Zygote:
     jobs may be started from several threads at once."""
 
     def __init__(self, scripts=None):
+        if os.geteuid() == 0 and os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
+            cgroup_v2_base()  # before the zygote starts: the grader's cgroup must hold only the grader's commands
         self.folder = engine_folder()
         self.private = tempfile.mkdtemp(prefix="sandbox_zygote_err_")
         self.events = {}  # job number -> {"pid": p, "returncode": r} as the zygote reports them

@@ -471,6 +471,7 @@ def graded(tmp_path_factory):
                "2", "--seconds", "120", "--memory-gib", "2.5", *([] if os.geteuid() == 0 else ["--unsafe-same-user"])]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
     environment["TMPDIR"] = temporary  # the grader's own (its children's folders go to /tmp, which all may cross)
+    before = set(leftovers())  # another grader's (a concurrent run): not this batch's
     start = time.time()
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=repository, env=environment)
     seconds = time.time() - start
@@ -491,7 +492,8 @@ def graded(tmp_path_factory):
     peak = int(result.stderr.rsplit("peak-kib", 1)[1].split()[0]) * 1024
     return {"results": results, "rows": rows, "table": table, "reports": reports, "seconds": seconds, "out": out,
             "stdout": result.stdout + result.stderr, "repository": repository, "folder": folder, "peak": peak,
-            "left": leftovers() + [os.path.join(temporary, name) for name in os.listdir(temporary)],
+            "left": [item for item in leftovers() if item not in before] + [
+                os.path.join(temporary, name) for name in os.listdir(temporary)],
             "secret_file": secret_file}
 
 
