@@ -238,6 +238,7 @@ def prepare_folder(scripts, uid):
 
 
 CGROUP = "/sys/fs/cgroup"
+SWAP_LIMITS = ("memory.swap.max", "memory.memsw.limit_in_bytes")  # set where the kernel has swap accounting
 
 
 def own_cgroup(controller):
@@ -308,7 +309,8 @@ def cgroup_folders(uid, limits):
         memory, pids = own_cgroup("memory"), own_cgroup("pids")
         if memory is None or pids is None:
             return []
-        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): {"memory.limit_in_bytes": limits.memory_bytes},
+        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): {
+                        "memory.limit_in_bytes": limits.memory_bytes, "memory.memsw.limit_in_bytes": limits.memory_bytes},
                     os.path.join(CGROUP, "pids", pids.lstrip("/")): {"pids.max": limits.processes}}
     made = []
     try:
@@ -317,7 +319,7 @@ def cgroup_folders(uid, limits):
             os.makedirs(folder, exist_ok=True)
             made.append(folder)
             for key, value in values.items():
-                if key != "memory.swap.max" or os.path.exists(os.path.join(folder, key)):
+                if key not in SWAP_LIMITS or os.path.exists(os.path.join(folder, key)):
                     with open(os.path.join(folder, key), "w") as f:
                         f.write(str(value))
     except OSError:
