@@ -309,8 +309,8 @@ def cgroup_folders(uid, limits):
         memory, pids = own_cgroup("memory"), own_cgroup("pids")
         if memory is None or pids is None:
             return []
-        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): {
-                        "memory.limit_in_bytes": limits.memory_bytes, "memory.memsw.limit_in_bytes": limits.memory_bytes},
+        memory_limits = {key: limits.memory_bytes for key in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")}
+        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): memory_limits,
                     os.path.join(CGROUP, "pids", pids.lstrip("/")): {"pids.max": limits.processes}}
     made = []
     try:
@@ -353,8 +353,8 @@ IPC_KINDS = {"shm": "-m", "msg": "-q", "sem": "-s"}  # /proc/sysvipc/KIND -> ipc
 
 def sweep(uid):
     """As root, after every process of `uid` has been killed: remove what it left in the folders every uid may write
-    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory) and its System V shared memory, message queues
-    and semaphores, so that nothing of a submission outlives it."""
+    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory) and its System V shared memory,
+    message queues and semaphores, so that nothing of a submission outlives it."""
     for folder in SHARED_FOLDERS:
         try:
             entries = list(os.scandir(folder))

@@ -374,7 +374,8 @@ def hostile_parent_submissions(folder, secret_file, repository):
     sources = {"b_deleted": script + DELETED_LOSSES, "b_globals": losses_hidden + HIDDEN_LOSSES,
                "b_visible": script + VISIBLE_LOSSES, "b_raises": script + RAISES, "b_flood": script + FLOOD,
                "b_huge": script + "\n" + "# padding\n" * 220_000, "b_leftovers": script + LEFTOVERS,
-               "b_quadratic": script + QUADRATIC, "b_forks": script + FORKS, "=SUM(1+1)": script, os.fsdecode(b"b_\xff\xfe"): script}
+               "b_quadratic": script + QUADRATIC, "b_forks": script + FORKS, "=SUM(1+1)": script,
+               os.fsdecode(b"b_\xff\xfe"): script}
     for student, source in sources.items():
         os.makedirs(os.path.join(folder, student))
         with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
@@ -766,9 +767,9 @@ def test_the_secret_is_refused_on_a_command_line_and_read_from_a_file(tmp_path, 
     assert "--secret-file" in capsys.readouterr().err
     (tmp_path / "secret").write_text("first line\nsecond\n")
     assert instructor.read_secret(str(tmp_path / "secret")) == "first line"
-    help_text = subprocess.run([sys.executable, os.path.join(ROOT, "exercises", "instructor.py"), "batch", "--help"],
-                               capture_output=True, text=True, timeout=120).stdout
-    assert "/proc/PID/cmdline" in " ".join(help_text.split())
+    with pytest.raises(SystemExit):
+        instructor.main(["batch", "--help"])
+    assert "/proc/PID/cmdline" in " ".join(capsys.readouterr().out.split())  # --help says why
 
 
 def test_a_normal_user_is_refused_in_one_line_unless_it_accepts_the_risk(tmp_path, capsys, monkeypatch):
