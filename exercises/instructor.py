@@ -826,10 +826,14 @@ def main(argv=None):
         parser.error(f"files: {', '.join(names)}; each must be named as the script it fills in, once "
                      f"({', '.join(SCRIPTS)}): the grader grades the functions of that script")
     secret = os.environ.get("GRADER_SECRET", "") if options.secret_file is None else read_secret(options.secret_file)
+    if not secret:
+        print("warning: no secret (--secret-file or $GRADER_SECRET): anyone can draw a student's hidden cases",
+              file=sys.stderr)
     if options.command == "batch":
         chosen = [e for e in (options.exercises or "").split(",") if e]
         batch(options.submissions, chosen, secret, options.out, limits, options.jobs, options.secret_file)
         return 0
+    warn_if_open(repository=ROOT, secret_file=options.secret_file)
     scripts, refused = {}, {}
     for path in options.files:
         folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
