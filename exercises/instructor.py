@@ -47,6 +47,7 @@ from exercises.texts import EXERCISES  # noqa: E402
 
 HIDDEN_PER_FUNCTION = 4
 EXERCISE_POINTS = 40  # every exercise, whatever the submission: the hidden cases share half, the public ones half
+REPORT_CHARS = 1 << 20  # a student's text report is cut here (each message in it is cut already)
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
 REFERENCES = {
     "compute_gae": (ref.gae, ref.GAE_MUTANTS),
@@ -715,9 +716,6 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2, secret_file=None)
     return rows
 
 
-REPORT_CHARS = 1 << 20  # a student's text report is cut here (each message in it is cut already)
-
-
 def open_to_others(path):
     """True when a user other than the owner (a submission's uid) may read `path`: every folder above it lets
     others through (o+x) and it lets them read (o+r)."""
@@ -836,7 +834,10 @@ def main(argv=None):
     warn_if_open(repository=ROOT, secret_file=options.secret_file)
     scripts, refused = {}, {}
     for path in options.files:
-        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as error:
+            parser.error(f"files: {path}: its folder cannot be opened ({error.strerror})")
         try:
             found, why = sandbox.read_submission(folder, [os.path.basename(path)])
         finally:
