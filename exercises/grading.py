@@ -143,7 +143,7 @@ def write_atomic(path, text):
     handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
                                          prefix=f".{os.path.basename(path)}.")
     try:
-        with os.fdopen(handle, "w", newline="") as f:
+        with os.fdopen(handle, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -260,12 +260,15 @@ ERROR_HINTS = [
      "meet: create new tensors with the inputs' dtype (torch.zeros_like(x), or dtype=x.dtype)."),
     (r"same device|is not on the expected device|Cannot copy out of meta", "tensors on different devices meet: "
      "create new tensors on the inputs' device (torch.zeros_like(x), or device=x.device)."),
-    (r"must match the size of tensor|shape .* is invalid|size mismatch|cannot be broadcast", "the shapes do not "
+    (r"must match the size of tensor|shape '[^']*' is invalid|size mismatch|cannot be broadcast", "the shapes do not "
      "match: check each tensor's shape against the docstring ([T, N] per step, [N] for the state after the "
      "rollout)."),
     (r"out of bounds|out of range", "an index past the end: the last response token is at mask.sum(1) - 1; the "
      "last step of a rollout is T - 1, whose next state is next_value / bootstrap_value."),
 ]
+
+
+MESSAGE_CHARS = 2000  # an error's message (and its frames) is cut to this: a report shows it, regexes read it
 
 
 def error_record(error):
@@ -274,9 +277,9 @@ def error_record(error):
     FloatingPointError."""
     frames = [frame for frame in traceback.extract_tb(error.__traceback__)
               if "site-packages" not in frame.filename and os.path.dirname(frame.filename) != HERE]
-    return {"type": type(error).__name__, "message": str(error),
-            "frames": "".join(traceback.format_list(frames[-3:])).rstrip(),
-            "last_line": (frames[-1].line or "") if frames else "",
+    return {"type": type(error).__name__[:200], "message": str(error)[:MESSAGE_CHARS],
+            "frames": "".join(traceback.format_list(frames[-3:])).rstrip()[-MESSAGE_CHARS:],
+            "last_line": (frames[-1].line or "")[:MESSAGE_CHARS] if frames else "",
             "blank": isinstance(error, NotImplementedError), "floating_point": isinstance(error, FloatingPointError)}
 
 
@@ -284,8 +287,8 @@ def explain_error(error):
     """The student's exception (or its error_record) as a short report: the student's own frames, the error, and
     what it usually means. With a hint, torch's own advice (e.g. retain_graph=True) is cut off."""
     record = error if isinstance(error, dict) else error_record(error)
-    lines = [record["frames"]] if record["frames"] else []
-    text = f"{record['type']}: {record['message']}"
+    lines = [record["frames"][-MESSAGE_CHARS:]] if record["frames"] else []
+    text = f"{record['type'][:200]}: {record['message'][:MESSAGE_CHARS]}"  # cut before any regex reads it
     hint = next((hint for pattern, hint in ERROR_HINTS if re.search(pattern, text)), None)
     if hint is not None:
         text = text.split(". ", 1)[0].split("\n", 1)[0]
@@ -388,10 +391,10 @@ CALLS = {"float32": ("float32", "cpu"), "meta": ("float64", "meta"), "cuda": ("f
 
 def observe_case(module, case):
     """Everything a case needs to know of the student's code, as data (the judge decides, judge_case)."""
-    function = getattr(module, case.function, None)
-    if function is None:
-        return {"missing": True}
     try:
+        function = getattr(module, case.function, None)  # a module __getattr__ that raises: the check's error
+        if function is None:
+            return {"missing": True}
         if case.kind == "phase":
             return observe_phase(module, case)
         if case.kind in CALLS:
@@ -631,8 +634,25 @@ def judge_cases(cases, observations, where=""):
         outputs = ((observed or {}).get("float64") or {}).get("outputs")
         if case.kind == "values" and outputs is not None:
             others.append((case, outputs))
-    return [judge_case(case, observed, [o for o in others if o[0].function == case.function], where)
-            for case, observed in zip(cases, observations)]
+    results = [judge_case(case, observed, [o for o in others if o[0].function == case.function], where)
+               for case, observed in zip(cases, observations)]
+    answered = {case.function for case, observed in zip(cases, observations) if returned(case, observed)}
+    for index, (case, result) in enumerate(zip(cases, results)):
+        if result.passed and case.function not in answered:  # e.g. the 'meta' case, where an error may pass
+            results[index] = dataclasses.replace(result, points=0.0, message=(
+                f"{case.function} returned on none of its cases (it raised an error, or never ran): a function "
+                "that only raises scores nothing"))
+    return results
+
+
+def returned(case, observed):
+    """True when the student's function returned on this case (outputs of a float64 call, a phase's statistics)."""
+    if not isinstance(observed, dict):
+        return False
+    if case.kind == "phase":
+        return "stats" in observed
+    call = observed.get("float64")
+    return case.kind == "values" and isinstance(call, dict) and "outputs" in call
 
 
 def contract_cases(cases):

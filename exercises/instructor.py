@@ -1,21 +1,25 @@
 """The instructor's grader (it stays in the repository; the student bundle gets only the public grader).
 
-  python exercises/instructor.py grade EXERCISE FILE [FILE ...] [--student NAME] [--secret S] [--json OUT]
-  python exercises/instructor.py batch SUBMISSIONS [--exercises gae,...] [--secret S] [--out DIR] [--jobs 2]
+  python exercises/instructor.py grade EXERCISE FILE [FILE ...] [--student NAME] [--secret-file F] [--json OUT]
+  python exercises/instructor.py batch SUBMISSIONS [--exercises gae,...] [--secret-file F] [--out DIR] [--jobs 2]
   python exercises/instructor.py make-cases            # rewrite exercises/cases/*.json (the public cases)
 
 Each submission's code runs in a sandboxed child process of its own (exercises/sandbox.py: a fresh interpreter in
 an empty folder, a uid of its own when run as root, limits on time, CPU, memory, output and processes); this
 process draws the cases, computes their answers with the float64 references (exercises/references.py), sends the
-child the inputs only and scores what comes back. Each exercise is worth EXERCISE_POINTS whatever the failure: the
-hidden randomized cases (drawn from sha256 of the secret and the student's name: the same submission always gets
-the same cases, two students different ones) share half, the public cases (the bundle's, their inputs disguised by
-~1 % so that a lookup of the shipped answers gains nothing) the other half. `grade` prints a text report (and
-writes a JSON result); `batch` grades each sub-folder of SUBMISSIONS (one per student, holding some of the four
-scripts), --jobs at a time, and once every child has ended writes DIR/NAME.txt, DIR/NAME.json and one CSV row per
-student in DIR/grades.csv, each file atomically. --secret (or $GRADER_SECRET) is handed to a re-run of the command
-through a pipe, out of its argv and environment. No training: the learning curve is informational
-(docs/assignments.md) and gives no points."""
+child the inputs only and scores what comes back. It trusts nothing it reads: a script is read only when it is a
+regular file of the student's folder's owner (no link, FIFO or device, at most 1 MiB), a student's folder only
+when it is a folder (not a link), the child's report line by line within its limits; what is graded is every
+function of the script of that name in the repository, looked up in the child. Each exercise is worth
+EXERCISE_POINTS whatever the failure: the hidden randomized cases (drawn from sha256 of the secret and the
+student's name: the same submission always gets the same cases, two students different ones) share half, the public
+cases (the bundle's, their inputs disguised by ~1 % so that a lookup of the shipped answers gains nothing) the other
+half. `grade` prints a text report (and writes a JSON result); `batch` grades each sub-folder of SUBMISSIONS (one per
+student, holding some of the four scripts), --jobs at a time, and once every child has ended writes DIR/NAME.txt,
+DIR/NAME.json and one CSV row per student in DIR/grades.csv, each file atomically (a name that is not printable
+UTF-8 is escaped). The secret comes from --secret-file (or $GRADER_SECRET), never from a command line. Without root
+both commands refuse to run unless --unsafe-same-user is given (docs/assignments.md says what each mode
+guarantees). No training: the learning curve is informational (docs/assignments.md) and gives no points."""
 import argparse
 import concurrent.futures
 import csv
@@ -24,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import sys
 import time
 
@@ -42,6 +47,7 @@ from exercises.texts import EXERCISES  # noqa: E402
 
 HIDDEN_PER_FUNCTION = 4
 EXERCISE_POINTS = 40  # every exercise, whatever the submission: the hidden cases share half, the public ones half
+REPORT_CHARS = 1 << 20  # a student's text report is cut here (each message in it is cut already)
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
 REFERENCES = {
     "compute_gae": (ref.gae, ref.GAE_MUTANTS),
@@ -531,7 +537,10 @@ def hidden_cases(function, seed):
 
 
 def submission_seed(secret, student):
-    return int(hashlib.sha256(f"{secret}\0{student}".encode()).hexdigest()[:12], 16)
+    """The hidden cases' seed: sha256 of the secret and the student's name, its bytes as the folder's name has them
+    (a name that is not UTF-8 included)."""
+    text = secret.encode("utf-8", "surrogateescape") + b"\0" + os.fsencode(student)
+    return int(hashlib.sha256(text).hexdigest()[:12], 16)
 
 
 def make_public_cases(directory=grading.CASES_DIR):
@@ -576,17 +585,20 @@ def cases_for(seed):
 
 
 # ---------------------------------------------------------------- grading a submission (in its own process)
-def grade_submission(files, exercises, student, secret, limits=None, number=0, zygote=None):
-    """The whole grade of one student: {exercise: [Result]} and the text report. The student's code runs in a
-    child process that `zygote` forks (exercises/sandbox.py; without one, a zygote for this submission alone);
-    the cases, their answers and every point are made here."""
+def grade_submission(scripts, refused, exercises, student, secret, limits=None, number=0, zygote=None):
+    """The whole grade of one student: {exercise: [Result]} and the text report. `scripts`: {script: the bytes this
+    process read}; `refused`: {script: why it was not read} (its cases score 0 with that reason). The student's
+    code runs in a child process that `zygote` forks (exercises/sandbox.py; without one, a zygote for this
+    submission alone); the cases, their answers and every point are made here."""
     seed = submission_seed(secret, student)
     start = time.time()
-    graded, ended = sandbox.grade(files, exercises, cases_for(seed), limits or sandbox.Limits(),
+    graded, ended = sandbox.grade(scripts, refused, exercises, cases_for(seed), limits or sandbox.Limits(),
                                   sandbox.uid_for(number), zygote)
     graded = {exercise: sandbox.weighted(results, EXERCISE_POINTS) for exercise, results in graded.items()}
     seconds = time.time() - start
-    lines = [f"student {student}: {', '.join(os.path.basename(f) for f in files)} (hidden cases from seed {seed})"]
+    names = sorted([*scripts, *refused])
+    lines = [f"student {sandbox.display(student)}: {', '.join(names)} (hidden cases from seed {seed})"]
+    lines += [f"not read: {why}" for why in refused.values()]
     if ended != "ok":
         lines.append(f"the submission's process: {ended}")
     for exercise, results in graded.items():
@@ -597,8 +609,8 @@ def grade_submission(files, exercises, student, secret, limits=None, number=0, z
     total_max = round(sum(grading.score(r)[1] for r in graded.values()), 2)
     lines.append(f"total: {total_points:g} / {total_max:g} points ({seconds:.1f} s; the learning curve is "
                  "informational and gives no points)")
-    result = {"student": student, "seed": seed, "files": [os.path.basename(f) for f in files],
-              "seconds": round(seconds, 2), "process": ended, "points": total_points, "max_points": total_max,
+    result = {"student": sandbox.display(student), "seed": seed, "files": names, "seconds": round(seconds, 2),
+              "process": ended, "points": total_points, "max_points": total_max,
               "exercises": {exercise: {"points": round(grading.score(results)[0], 2),
                                        "max_points": round(grading.score(results)[1], 2),
                                        "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}
@@ -606,55 +618,96 @@ def grade_submission(files, exercises, student, secret, limits=None, number=0, z
     return result, "\n".join(lines)
 
 
-def exercises_of(files, chosen=None):
+def exercises_of(names, chosen=None):
     """The exercises whose script the submission holds (or `chosen`)."""
     if chosen:
         return chosen
-    names = {os.path.basename(f) for f in files}
     return [exercise for exercise, info in EXERCISES.items() if info["script"] in names]
 
 
-def grade_folder(number, folder, student, exercises, secret, limits, zygote):
-    """One sub-folder of the batch: (result, report). Should the grader itself fail on a submission, that
-    submission gets 0 of the same maximum and the reason; the others are graded all the same."""
-    directory = os.path.join(folder, student)
-    files = [os.path.join(directory, name) for name in SCRIPTS if os.path.exists(os.path.join(directory, name))]
-    chosen = exercises_of(files, exercises)
+def failed_result(student, names, exercises, reason):
+    """0 points of the same maximum for every exercise, with the reason (the grader could not grade this one)."""
+    parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
+        {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
+         "passed": False}]} for exercise in exercises}
+    result = {"student": sandbox.display(student), "seed": None, "files": sorted(names), "seconds": 0.0,
+              "process": reason, "points": 0.0, "max_points": float(EXERCISE_POINTS * len(exercises)),
+              "exercises": parts}
+    return result, f"student {sandbox.display(student)}: {reason}"
+
+
+def grade_folder(number, folder_descriptor, student, exercises, secret, limits, zygote):
+    """One sub-folder of the batch (`student`, in the folder open as `folder_descriptor`): (result, report). A
+    folder that is a symbolic link is not read; should the grader itself fail on a submission, that submission
+    gets 0 of the same maximum and the reason; the others are graded all the same."""
+    scripts, refused, chosen = {}, {}, list(exercises or [])
     try:
-        return grade_submission(files, chosen, student, secret, limits, number, zygote)
+        directory = sandbox.open_entry(student, folder_descriptor, directory=True)
+        if directory is None:
+            raise sandbox.Refused(f"{sandbox.display(student)} is gone")
+        try:
+            scripts, refused = sandbox.read_submission(directory, SCRIPTS)
+        finally:
+            os.close(directory)
+        chosen = exercises_of([*scripts, *refused], exercises)
+        return grade_submission(scripts, refused, chosen, student, secret, limits, number, zygote)
+    except sandbox.Refused as why:
+        return failed_result(student, [], chosen, f"not read: {why}")
     except Exception as error:  # a grader bug or a report it cannot read: never the whole class's batch
-        reason = f"the grader failed on this submission ({type(error).__name__}: {error}); grade it again alone"
-        parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
-            {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
-             "passed": False}]} for exercise in chosen}
-        result = {"student": student, "seed": None, "files": [os.path.basename(f) for f in files], "seconds": 0.0,
-                  "process": reason, "points": 0.0, "max_points": EXERCISE_POINTS * len(chosen), "exercises": parts}
-        return result, f"student {student}: {reason}"
+        reason = (f"the grader failed on this submission ({type(error).__name__}: {str(error)[:500]}); grade it "
+                  "again alone")
+        return failed_result(student, [*scripts, *refused], chosen, reason)
 
 
-def batch(folder, exercises, secret, out, limits=None, jobs=2):
+def report_names(students):
+    """{student: the stem of its report files}: the name made printable (sandbox.display); a long one, or one that
+    two folders share once escaped, gets a digest of its bytes so that no report overwrites another."""
+    stems, taken = {}, set()
+    for student in students:
+        stem = sandbox.display(student)
+        if len(stem) > 100 or stem in taken or stem.startswith("."):
+            stem = f"{stem[:80].lstrip('.')}-{hashlib.sha256(os.fsencode(student)).hexdigest()[:12]}"
+        taken.add(stem)
+        stems[student] = stem
+    return stems
+
+
+def spreadsheet_cell(text):
+    """A CSV cell that no spreadsheet reads as a formula: one that starts with = + - @ (or a tab or carriage
+    return) gets a leading apostrophe."""
+    return f"'{text}" if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def batch(folder, exercises, secret, out, limits=None, jobs=2, secret_file=None):
     """One student per sub-folder of `folder`, `jobs` children at a time; after every child has ended, a report
     and a JSON per student and one CSV row each, each file written atomically. Returns the CSV's rows."""
     os.makedirs(out, exist_ok=True)
-    warn_if_open(folder, out)
-    students = [name for name in sorted(os.listdir(folder)) if os.path.isdir(os.path.join(folder, name))]
-    # One zygote for the whole batch: each child is a fork of it, so the interpreter and its imports start once.
-    with sandbox.Zygote() as zygote, concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        graded = list(pool.map(grade_folder, range(len(students)), [folder] * len(students), students,
-                               [exercises] * len(students), [secret] * len(students),
-                               [limits] * len(students), [zygote] * len(students)))
+    warn_if_open(folder, out, repository=ROOT, secret_file=secret_file)
+    folder_descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with os.scandir(folder) as entries:  # a link to a folder is listed, then refused (grade_folder)
+            students = sorted((entry.name for entry in entries if entry.is_dir()), key=os.fsencode)
+        # One zygote for the whole batch: each child is a fork of it, so the interpreter and its imports start once.
+        with sandbox.Zygote() as zygote, concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            graded = list(pool.map(grade_folder, range(len(students)), [folder_descriptor] * len(students),
+                                   students, [exercises] * len(students), [secret] * len(students),
+                                   [limits] * len(students), [zygote] * len(students)))
+    finally:
+        os.close(folder_descriptor)
     rows = []
     columns = list(EXERCISES)
+    stems = report_names(students)
     for student, (result, text) in zip(students, graded):
-        grading.write_atomic(os.path.join(out, f"{student}.txt"), text + "\n")
-        grading.write_atomic(os.path.join(out, f"{student}.json"), json.dumps(result, indent=1))
-        row = {"student": student, "points": result["points"], "max_points": result["max_points"],
-               "seconds": result["seconds"]}
+        grading.write_atomic(os.path.join(out, f"{stems[student]}.txt"), text[:REPORT_CHARS] + "\n")
+        grading.write_atomic(os.path.join(out, f"{stems[student]}.json"), json.dumps(result, indent=1))
+        row = {"student": spreadsheet_cell(sandbox.display(student)), "points": result["points"],
+               "max_points": result["max_points"], "seconds": result["seconds"]}
         for exercise in columns:
             part = result["exercises"].get(exercise)
             row[exercise] = "" if part is None else f"{part['points']:g}/{part['max_points']:g}"
         rows.append(row)
-        print(f"{student}: {result['points']:g} / {result['max_points']:g} ({result['seconds']:.1f} s)")
+        print(f"{sandbox.display(student)}: {result['points']:g} / {result['max_points']:g} "
+              f"({result['seconds']:.1f} s)")
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=["student", "points", "max_points", *columns, "seconds"])
     writer.writeheader()
@@ -663,57 +716,56 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2):
     return rows
 
 
-def warn_if_open(*folders):
-    """As root the children run under uids of their own: folders that other users may read are open to them."""
-    for folder in folders:
-        if os.geteuid() == 0 and os.stat(folder).st_mode & 0o005:
-            print(f"warning: {folder} is readable by other users, so by the submissions' processes too: "
-                  f"chmod o-rwx {folder}", file=sys.stderr)
+def open_to_others(path):
+    """True when a user other than the owner (a submission's uid) may read `path`: every folder above it lets
+    others through (o+x) and it lets them read (o+r)."""
+    path = os.path.abspath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        parent = os.path.dirname(path)
+        while True:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+            if parent == os.path.dirname(parent):
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
 
 
-# ---------------------------------------------------------------- the secret: never in argv or the environment
-SECRET_FD = "GRADER_SECRET_FD"
-
-
-def without_secret(argv):
-    """(the value of --secret or None, argv without it)."""
-    secret, rest = None, []
-    arguments = iter(argv)
-    for argument in arguments:
-        if argument == "--secret":
-            secret = next(arguments, "")
-        elif argument.startswith("--secret="):
-            secret = argument.split("=", 1)[1]
-        else:
-            rest.append(argument)
-    return secret, rest
-
-
-def hand_over_secret(argv):
-    """Run this command again with the secret in a pipe, out of argv and the environment: /proc/PID/cmdline is
-    readable by every process on the machine, /proc/PID/environ by every process of the user. Returns only when
-    there is no secret to hide (or it is hidden already)."""
-    secret, rest = without_secret(argv)
-    if secret is None:
-        secret = os.environ.get("GRADER_SECRET")
-    if secret is None or SECRET_FD in os.environ:
+def warn_if_open(*folders, repository=None, secret_file=None):
+    """As root the children run under uids of their own: what other users may read is open to them. Warn about
+    the submissions and output folders, the repository (its references answer every case) and the secret's file."""
+    if os.geteuid() != 0:
         return
-    read, write = os.pipe()
-    os.write(write, secret.encode())
-    os.close(write)
-    os.set_inheritable(read, True)
-    environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
-    environment[SECRET_FD] = str(read)
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *rest], environment)
+    things = [(folder, folder) for folder in folders]
+    if repository is not None:
+        things.append((os.path.join(repository, "exercises", "references.py"), repository))
+    if secret_file not in (None, "-"):
+        things.append((secret_file, secret_file))
+    for path, fix in things:
+        if open_to_others(path):
+            print(f"warning: {path} is readable by other users, so by the submissions' processes too: "
+                  f"chmod -R o-rwx {fix}", file=sys.stderr)
 
 
-def handed_secret():
-    """The secret that hand_over_secret put in a pipe, or $GRADER_SECRET, or ''."""
-    if SECRET_FD not in os.environ:
-        return os.environ.get("GRADER_SECRET", "")
-    descriptor = int(os.environ.pop(SECRET_FD))
-    with os.fdopen(descriptor, "rb") as f:
-        return f.read().decode()
+# ---------------------------------------------------------------- the secret: never on a command line
+SECRET_HELP = ("a file holding the secret mixed into each submission's seed (its first line; - for standard "
+               "input), so that students cannot reproduce the hidden cases; default: $GRADER_SECRET. Never on a "
+               "command line: every process on the machine reads any process's command line (/proc/PID/cmdline), "
+               "a wrapper's too (timeout, /usr/bin/time), the submissions' processes among them")
+SAME_USER = ("as a normal user every submission runs as you: it can read and change your files (the references, "
+             "the secret, the other submissions, grades.csv), read the grader's memory, signal it and outlive "
+             "the batch")
+
+
+def read_secret(path):
+    """The secret from a file or standard input ("-"): its first line, without the line's end."""
+    if path == "-":
+        return sys.stdin.readline().rstrip("\r\n")
+    with open(path, errors="surrogateescape") as f:
+        return f.readline().rstrip("\r\n")
 
 
 def main(argv=None):
@@ -721,7 +773,8 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("grade", help="grade one submission")
     one.add_argument("exercise", choices=sorted(EXERCISES))
-    one.add_argument("files", nargs="+", help="the student's scripts")
+    one.add_argument("files", nargs="+", help=f"the student's scripts, each named as the one it fills in "
+                     f"({', '.join(SCRIPTS)})")
     one.add_argument("--student", default=None, help="the student's name (seeds the hidden cases; default: the "
                      "folder of the first file)")
     one.add_argument("--json", default=None, help="write the JSON result here")
@@ -734,9 +787,10 @@ def main(argv=None):
     commands.add_parser("make-cases", help="rewrite the public cases (exercises/cases/*.json) from the references")
     defaults = sandbox.Limits()
     for command in (one, many):
-        command.add_argument("--secret", default=None,
-                             help="mixed into each submission's seed (or $GRADER_SECRET): students cannot "
-                                  "reproduce the hidden cases; the command hides it from other processes")
+        command.add_argument("--secret-file", default=None, help=SECRET_HELP)
+        command.add_argument("--secret", default=None, help=argparse.SUPPRESS)  # refused below, with the reason
+        command.add_argument("--unsafe-same-user", action="store_true",
+                             help="grade without root all the same (refused otherwise): " + SAME_USER)
         command.add_argument("--seconds", type=float, default=defaults.seconds,
                              help="wall-clock limit of one submission's process")
         command.add_argument("--cpu-seconds", type=int, default=defaults.cpu_seconds,
@@ -750,7 +804,14 @@ def main(argv=None):
         make_public_cases()
         print(f"wrote {grading.CASES_DIR}")
         return 0
-    secret = handed_secret() if options.secret is None else options.secret
+    if options.secret is not None:
+        parser.error("--secret: a secret on the command line is readable by every process on the machine "
+                     "(/proc/PID/cmdline), the submissions' included; use --secret-file FILE (- for standard input)")
+    if os.geteuid() != 0 and not options.unsafe_same_user:
+        parser.error(f"refusing to grade without root: {SAME_USER}; run it as root (each submission then gets a "
+                     "uid of its own), or pass --unsafe-same-user to accept that")
+    if os.geteuid() != 0:
+        print(f"warning: --unsafe-same-user: {SAME_USER}", file=sys.stderr)
     limits = limits_of(parser, options)
     if options.command == "batch":
         unknown = [e for e in (options.exercises or "").split(",") if e and e not in EXERCISES]
@@ -758,12 +819,36 @@ def main(argv=None):
             parser.error(f"--exercises: unknown {', '.join(unknown)}; choose from {', '.join(EXERCISES)}")
         if options.jobs < 1:
             parser.error(f"--jobs: {options.jobs}; must be 1 or more")
+    names = [os.path.basename(path) for path in options.files] if options.command == "grade" else []
+    if [name for name in names if name not in SCRIPTS] or len(set(names)) != len(names):
+        parser.error(f"files: {', '.join(names)}; each must be named as the script it fills in, once "
+                     f"({', '.join(SCRIPTS)}): the grader grades the functions of that script")
+    secret = os.environ.get("GRADER_SECRET", "") if options.secret_file is None else read_secret(options.secret_file)
+    if not secret:
+        print("warning: no secret (--secret-file or $GRADER_SECRET): anyone can draw a student's hidden cases",
+              file=sys.stderr)
+    if options.command == "batch":
         chosen = [e for e in (options.exercises or "").split(",") if e]
-        batch(options.submissions, chosen, secret, options.out, limits, options.jobs)
+        batch(options.submissions, chosen, secret, options.out, limits, options.jobs, options.secret_file)
         return 0
+    warn_if_open(repository=ROOT, secret_file=options.secret_file)
+    scripts, refused = {}, {}
+    for path in options.files:
+        try:
+            folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as error:
+            parser.error(f"files: {path}: its folder cannot be opened ({error.strerror})")
+        try:
+            found, why = sandbox.read_submission(folder, [os.path.basename(path)])
+        finally:
+            os.close(folder)
+        scripts.update(found)
+        refused.update(why)
+        if not found and not why:
+            parser.error(f"files: {path} does not exist")
     student = options.student or os.path.basename(os.path.dirname(os.path.abspath(options.files[0])))
-    result, text = grade_submission(options.files, [options.exercise], student, secret, limits)
-    print(text)
+    result, text = grade_submission(scripts, refused, [options.exercise], student, secret, limits)
+    print(text[:REPORT_CHARS])
     if options.json:
         grading.write_atomic(options.json, json.dumps(result, indent=1))
     return 0 if result["points"] == result["max_points"] else 1
@@ -779,5 +864,4 @@ def limits_of(parser, options):
 
 
 if __name__ == "__main__":
-    hand_over_secret(sys.argv[1:])
     sys.exit(main())

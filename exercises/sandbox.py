@@ -1,30 +1,41 @@
 """The instructor's sandbox: each submission runs in a child process of its own, which only computes; this process
-(the parent) decides every point.
+(the parent) decides every point and trusts nothing it reads.
 
-  parent: draws the cases, computes the expected outputs with the references, sends the child the INPUTS only
+  parent: reads each script only as a regular file of the student's folder's owner, never through a link, a FIFO
+          or a device, at most SCRIPT_BYTES; decides what is graded (every exercise function of the repository's
+          script of that name); draws the cases, computes the expected outputs with the references, sends the
+          child the INPUTS only
   zygote: one per batch: a fresh interpreter (python -I -B) in an empty temporary folder holding the public engine
           (exercises/sandbox_child.py, grading.py, texts.py) and nothing else; no repository on its sys.path, no
           secret in its argv, environment or files; it imports the standard library, torch, gymnasium, tyro and
           the engine, as root, and then only forks: it never runs a student's code nor holds a case or a grade
   child:  per submission, a fork of that pristine zygote (a copy of a freshly started interpreter that never saw
-          the references, the secret or another submission) in a temporary folder holding a copy of the
-          submission; as root, a uid of its own (no access to the instructor's files, no signal to other
-          processes, the zygote included); limits on wall clock, CPU time, memory, file size and processes
+          the references, the secret or another submission); as root, cgroups of its own (memory and processes
+          summed over the submission), mount, IPC and network namespaces of its own (a private tmpfs /tmp with
+          its copy of the submission; no network), and a uid of its own (no access to the instructor's files, no
+          signal to other processes, the zygote included); limits on wall clock, CPU time, memory, file size and
+          processes
   back:   one JSON line per observed case (outputs as arrays, dtypes, devices, errors): data, never code; the parent
-          checks their type and shape and judges them (grading.judge_exercise). A case the child never reported
-          (killed at a limit, crashed) scores 0: "timed out".
+          reads it within caps, line by line, and checks every field's type and shape before it judges them
+          (grading.judge_exercise). A case the child never reported (killed at a limit, crashed) scores 0: "timed
+          out". Then every process of the child's uid is killed and what it left behind is removed.
 
 What a process sandbox does not do (docs/assignments.md): it is not a container. The child can read every file
 that its uid may read (with a uid of its own: every world-readable file, the references' source among them,
-unless the repository is private), use the network, and claim anything about its own function in its report (a dtype, a
-step count): only values it could not compute without solving the exercise are out of its reach."""
+unless the repository is private), and claim anything about its own function in its report (a dtype, a step
+count): only values it could not compute without solving the exercise are out of its reach. Without root there is
+no uid, cgroup or namespace of its own (instructor.py refuses to run then, unless told otherwise)."""
 import ast
 import dataclasses
+import errno
+import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -48,50 +59,116 @@ class Limits:
     """What one submission's child may use; a case it did not finish within them scores 0."""
     seconds: float = 120.0  # wall clock of the whole child (start-up, imports, every case)
     cpu_seconds: int = 90  # its CPU time (RLIMIT_CPU)
-    memory_bytes: int = 4 << 30  # its address space (RLIMIT_AS); importing torch reserves ~0.6 GiB of it
+    memory_bytes: int = 4 << 30  # each process's address space (RLIMIT_AS; importing torch reserves ~0.6 GiB of
+    # it) and, as root where the machine has cgroups, the memory of all its processes together
     output_bytes: int = 16 << 20  # each file it writes, its results and stderr included (RLIMIT_FSIZE)
-    processes: int = 64  # processes and threads of its uid (RLIMIT_NPROC; only as root, with a uid of its own)
+    files_bytes: int = 256 << 20  # as root: its private /tmp (with /var/tmp, /dev/shm), all files together
+    processes: int = 64  # processes and threads of its uid (RLIMIT_NPROC, and a cgroup's pids.max where there is
+    # one; only as root, with a uid of its own)
     case_seconds: float = 10.0  # a function that runs past this on one case is not run on its later cases
 
 
-# ---------------------------------------------------------------- what a file defines, read without running it
-def top_level_names(statements):
-    """The names a module's statements bind at top level (also inside if/try/with blocks), without running it."""
-    names = set()
-    for node in statements:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-        for block in ("body", "orelse", "finalbody", "handlers"):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names |= top_level_names(getattr(node, block, []))
-    return names
+# ---------------------------------------------------------------- what the parent reads of a submission
+SCRIPT_BYTES = 1 << 20  # a submitted script larger than this is not read (the repository's are under 90 KB)
+LINE_BYTES = 1 << 20  # a line of the child's report longer than this ends the report
+TEXT_CHARS = 4000  # every string the child sends (an error's message, its frames) is cut to this length
 
 
-def read_submission(files):
-    """{file: names it defines} and {file: why it does not import} for the syntax errors. A file that does not
-    parse is taken to define what the repository's script of that name defines, so that its cases are all scored
-    (0, with the reason): the same maximum whatever the failure."""
-    defined, broken = {}, {}
-    for path in files:
-        name = os.path.basename(path)
-        with open(path, errors="replace") as f:
-            source = f.read()
+class Refused(Exception):
+    """A submitted file or folder that the parent does not read; the message says why, for the report."""
+
+
+def open_entry(name, folder_descriptor=None, directory=False):
+    """A descriptor of `name` (in the folder open as `folder_descriptor`), opened without following a symbolic link
+    and without blocking on a FIFO: a regular file, or with `directory` a folder. Refused(why) otherwise; None when
+    there is no such entry."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | (os.O_DIRECTORY if directory else 0)
+    what = "folder" if directory else "file"
+    shown = display(name)
+    try:
+        descriptor = os.open(name, flags, dir_fd=folder_descriptor)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP or stat.S_ISLNK(os.stat(name, dir_fd=folder_descriptor,
+                                                              follow_symlinks=False).st_mode):
+            raise Refused(f"{shown} is a symbolic link: only a {what} of the student's own is read") from None
+        raise Refused(f"{shown} cannot be opened as a {what} ({error.strerror})") from None
+    if not directory and not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise Refused(f"{shown} is not a regular file (a FIFO, a device or a folder): it is not read")
+    return descriptor
+
+
+def read_bytes(descriptor, limit):
+    """Up to `limit` + 1 bytes of an open file (one more than allowed tells that it is too large)."""
+    parts, size = [], 0
+    while size <= limit:
+        chunk = os.read(descriptor, min(1 << 20, limit + 1 - size))
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
+def read_script(name, folder_descriptor):
+    """The bytes of the script `name` of a student's folder (open as `folder_descriptor`), or None when it has none.
+    Refused(why) unless it is a regular file (no link, FIFO or device) of the folder's owner, at most SCRIPT_BYTES
+    long: the parent reads with privileges the student lacks (root's), so it never reads what a name points to."""
+    descriptor = open_entry(name, folder_descriptor)
+    if descriptor is None:
+        return None
+    try:
+        if os.fstat(descriptor).st_uid != os.fstat(folder_descriptor).st_uid:
+            raise Refused(f"{name} belongs to another user than the student's folder: it is not read")
+        data = read_bytes(descriptor, SCRIPT_BYTES)
+    finally:
+        os.close(descriptor)
+    if len(data) > SCRIPT_BYTES:
+        raise Refused(f"{name} is larger than {SCRIPT_BYTES >> 20} MiB: it is not read")
+    return data
+
+
+def read_submission(folder_descriptor, names):
+    """({script: its bytes}, {script: why it was not read}) of the named scripts in a student's folder."""
+    scripts, refused = {}, {}
+    for name in names:
         try:
-            defined[name] = top_level_names(ast.parse(source, name).body)
-        except SyntaxError as error:
-            broken[name] = f"{name} does not import: SyntaxError at line {error.lineno}: {error.msg}"
-            with open(os.path.join(ROOT, name)) as f:
-                defined[name] = set(grading.ALL_FUNCTIONS) & top_level_names(ast.parse(f.read()).body)
-    return defined, broken
+            data = read_script(name, folder_descriptor)
+        except Refused as why:
+            refused[name] = str(why)
+            continue
+        if data is not None:
+            scripts[name] = data
+    return scripts, refused
+
+
+def display(name):
+    """A file or folder name of any bytes as printable text: what is not UTF-8 as \\xNN, control characters
+    escaped (a name is shown in reports, JSON and CSV, and used for the report's own file names)."""
+    if isinstance(name, str):
+        name = os.fsencode(name)
+    text = name.decode("utf-8", errors="backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+@functools.lru_cache(maxsize=None)
+def script_functions(name):
+    """The exercise functions that the repository's script `name` defines: the parent grades every one of them in a
+    submitted file of that name, whatever the file holds (one missing, renamed or unreachable there scores 0 for
+    its cases). No source of a student's is parsed here."""
+    if name not in SCRIPTS:
+        return frozenset()
+    with open(os.path.join(ROOT, name)) as f:
+        tree = ast.parse(f.read())
+    return frozenset(node.name for node in tree.body if isinstance(node, ast.FunctionDef)) & set(
+        grading.ALL_FUNCTIONS)
 
 
 # ---------------------------------------------------------------- the child process
 SIDE_EFFECTS = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "tkinter", "webbrowser"}
+IMPORT_LINE = re.compile(rb"^[ \t]*(?:from|import)[ \t]+([A-Za-z_][A-Za-z0-9_.]*)", re.MULTILINE)  # linear
 
 
 def imported_modules(statements):
@@ -105,30 +182,29 @@ def imported_modules(statements):
     return names
 
 
-def preload_list(files):
+def preload_list(scripts):
     """What the child imports before it drops to its uid (sandbox_child.preload): the standard library's modules
-    that this process has loaded or that the submission imports, and the modules that the repository's four
-    scripts import (torch, gymnasium, tyro, ...): installed code, never the student's."""
+    that this process has loaded or that the submission's import lines name (read line by line, never parsed), and
+    the modules that the repository's four scripts import (torch, gymnasium, tyro, ...): installed code, never the
+    student's."""
     wanted = {name for name in sys.modules if name.split(".")[0] in sys.stdlib_module_names}
     for name in SCRIPTS:
         with open(os.path.join(ROOT, name)) as f:
             wanted |= imported_modules(ast.parse(f.read()).body)
-    for path in files:
-        try:
-            with open(path, errors="replace") as f:
-                imports = imported_modules(ast.parse(f.read()).body)
-        except SyntaxError:
-            continue
+    for data in scripts.values():
+        imports = {match.decode("ascii") for match in IMPORT_LINE.findall(data)}
         wanted |= {name for name in imports if name.split(".")[0] in sys.stdlib_module_names}
     return sorted(name for name in wanted if name.split(".")[0] not in SIDE_EFFECTS and not name.startswith("_")
                   and name != "__main__")
 
 
-def child_request(files, requests, limits, uid, preload):
-    """What the child reads (results/request.json): file names, limits, each (file, function)'s cases as INPUTS only."""
-    return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload,
+def child_request(files, requests, limits, uid, preload, cgroups):
+    """What the child reads (results/request.json): file names, limits, its cgroups, each (file, function)'s cases
+    as INPUTS only."""
+    return {"files": files, "case_seconds": limits.case_seconds, "uid": uid, "preload": preload, "cgroups": cgroups,
             "limits": {"memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
-                       "cpu_seconds": limits.cpu_seconds, "processes": limits.processes if uid is not None else None},
+                       "files_bytes": limits.files_bytes, "cpu_seconds": limits.cpu_seconds,
+                       "processes": limits.processes if uid is not None else None},
             "requests": [{"file": file, "function": function,
                           "cases": [{"function": case.function, "name": case.name, "kind": case.kind,
                                      "inputs": grading.encode(case.inputs), "grads": list(case.grads)}
@@ -136,25 +212,175 @@ def child_request(files, requests, limits, uid, preload):
                          for (file, function), cases in requests.items()]}
 
 
-def prepare_folder(files, uid):
-    """A fresh folder for one submission: submission/ (copies of the student's files), nothing else; as root,
-    owned by the child's uid and closed to everyone else."""
-    folder = tempfile.mkdtemp(prefix="sandbox_")
-    os.makedirs(os.path.join(folder, "submission"))
-    for path in files:
-        shutil.copy(path, os.path.join(folder, "submission", os.path.basename(path)))
+def shared_temporary():
+    """Where the folders that the children use go: as root /tmp, which every uid may cross (the instructor's
+    $TMPDIR may be private); otherwise the usual temporary folder."""
+    return "/tmp" if os.geteuid() == 0 else None
+
+
+def prepare_folder(scripts, uid):
+    """A fresh folder for one submission, (outer, home): home/submission/ holds the bytes the parent read, nothing
+    else. As root, home is the child's uid's own and the outer folder root's, which the child may cross but not
+    change: it cannot move its home away (or put a link in its place) before the parent removes it."""
+    outer = tempfile.mkdtemp(prefix="sandbox_", dir=shared_temporary())
+    home = os.path.join(outer, "home")
+    os.makedirs(os.path.join(home, "submission"))
+    for name, data in scripts.items():
+        with open(os.path.join(home, "submission", name), "xb") as f:
+            f.write(data)
     if uid is not None:
-        for directory, _, names in os.walk(folder):
+        os.chmod(outer, 0o711)
+        for directory, _, names in os.walk(home):
             os.chown(directory, uid, uid)
             for name in names:
                 os.chown(os.path.join(directory, name), uid, uid)
-    return folder
+    return outer, home
+
+
+CGROUP = "/sys/fs/cgroup"
+SWAP_LIMITS = ("memory.swap.max", "memory.memsw.limit_in_bytes")  # set where the kernel has swap accounting
+
+
+def own_cgroup(controller):
+    """This process's cgroup folder for `controller` ("" for cgroup v2's unified tree), from /proc/self/cgroup."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(","):  # "" is cgroup v2's line, "0::/path"
+                return path
+    return None
+
+
+def ancestors():
+    """This process's pid and its ancestors' (the commands that started it: a shell, timeout, systemd-run)."""
+    pids, pid = set(), os.getpid()
+    while pid > 0 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+@functools.lru_cache(maxsize=None)
+def cgroup_v2_base():
+    """cgroup v2, as root: the folder under which the submissions' cgroups go, or None. A cgroup that holds
+    processes cannot hand memory and pids limits to sub-cgroups (the "no internal processes" rule), so the
+    processes of the grader's cgroup first move into a leaf of it, when they are only the grader and the commands
+    that started it (a scope of its own: `systemd-run --scope`); any other cgroup is left as it is (None: the limits
+    stay per process). Called before the zygote starts."""
+    path = own_cgroup("")
+    if path is None:
+        return None
+    folder = os.path.join(CGROUP, path.lstrip("/"))
+    try:
+        with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+            enabled = set(f.read().split())
+        if not {"memory", "pids"} <= enabled:
+            with open(os.path.join(folder, "cgroup.procs")) as f:
+                members = {int(pid) for pid in f.read().split()}
+            if members and not members <= ancestors():
+                return None
+            leaf = os.path.join(folder, "course_grader")
+            os.makedirs(leaf, exist_ok=True)
+            for pid in members:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            with open(os.path.join(folder, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+        return folder
+    except OSError:
+        return None
+
+
+def cgroup_folders(uid, limits):
+    """As root: cgroups of the submission's own, with its memory (memory_bytes) and process count (processes)
+    summed over all its processes; the folders made, which the child joins (sandbox_child.join_cgroups). cgroup v2
+    where /sys/fs/cgroup is its tree (cgroup_v2_base), else cgroup v1's memory and pids hierarchies; [] where they
+    cannot be written (a container without them: the limits stay per process)."""
+    if os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
+        base = cgroup_v2_base()
+        if base is None:
+            return []
+        settings = {base: {"memory.max": limits.memory_bytes, "memory.swap.max": 0, "pids.max": limits.processes}}
+    else:
+        memory, pids = own_cgroup("memory"), own_cgroup("pids")
+        if memory is None or pids is None:
+            return []
+        memory_limits = {key: limits.memory_bytes for key in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")}
+        settings = {os.path.join(CGROUP, "memory", memory.lstrip("/")): memory_limits,
+                    os.path.join(CGROUP, "pids", pids.lstrip("/")): {"pids.max": limits.processes}}
+    made = []
+    try:
+        for base, values in settings.items():
+            folder = os.path.join(base, f"course_grader_{uid}")
+            os.makedirs(folder, exist_ok=True)
+            made.append(folder)
+            for key, value in values.items():
+                if key not in SWAP_LIMITS or os.path.exists(os.path.join(folder, key)):
+                    with open(os.path.join(folder, key), "w") as f:
+                        f.write(str(value))
+    except OSError:
+        remove_cgroups(made)
+        return []
+    return made
+
+
+def remove_cgroups(folders):
+    """Remove the submission's cgroups once its processes are gone (a killed one may take a moment to leave)."""
+    for folder in folders:
+        for _ in range(50):
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def remove_tree(path):
+    """rm -rf: coreutils walks a tree of any depth without recursion and never follows a link inside it (a folder
+    that a submission nested 3000 deep stops shutil.rmtree with a RecursionError)."""
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True, timeout=600)
+
+
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+IPC_KINDS = {"shm": "-m", "msg": "-q", "sem": "-s"}  # /proc/sysvipc/KIND -> ipcrm's flag
+
+
+def sweep(uid):
+    """As root, after every process of `uid` has been killed: remove what it left in the folders every uid may write
+    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory) and its System V shared memory,
+    message queues and semaphores, so that nothing of a submission outlives it."""
+    for folder in SHARED_FOLDERS:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    remove_tree(entry.path)
+            except OSError:
+                continue
+    for kind, flag in IPC_KINDS.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except (OSError, ValueError):
+            continue
+        for row in rows:
+            if len(row) == len(header) and int(row[header.index("uid")]) == uid:
+                subprocess.run(["ipcrm", flag, row[1]], capture_output=True, timeout=30)
 
 
 def engine_folder():
     """The zygote's folder: grader/ with the public engine only (what the students' bundle holds), readable by
     all (the children, under their own uids, read its sources for their tracebacks), writable by this user only."""
-    folder = tempfile.mkdtemp(prefix="sandbox_zygote_")
+    folder = tempfile.mkdtemp(prefix="sandbox_zygote_", dir=shared_temporary())
     os.makedirs(os.path.join(folder, "grader"))
     for name in CHILD_FILES:
         shutil.copy(os.path.join(HERE, name), os.path.join(folder, "grader", name))
@@ -191,7 +417,9 @@ class Zygote:
     never runs a student's code nor sees a case's answer, the secret or a grade. Use it as a context manager;
     jobs may be started from several threads at once."""
 
-    def __init__(self, files=()):
+    def __init__(self, scripts=None):
+        if os.geteuid() == 0 and os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
+            cgroup_v2_base()  # before the zygote starts: the grader's cgroup must hold only the grader's commands
         self.folder = engine_folder()
         self.private = tempfile.mkdtemp(prefix="sandbox_zygote_err_")
         self.events = {}  # job number -> {"pid": p, "returncode": r} as the zygote reports them
@@ -207,7 +435,7 @@ class Zygote:
                                         close_fds=True)
         self.reader = threading.Thread(target=self.read_events, daemon=True)
         self.reader.start()
-        self.send({"preload": preload_list(files)})
+        self.send({"preload": preload_list(scripts or {})})
 
     def __enter__(self):
         return self
@@ -290,18 +518,20 @@ class Zygote:
         shutil.rmtree(self.private, ignore_errors=True)
 
 
-def run_child(files, requests, limits, uid, zygote):
-    """Run one submission's child, forked by `zygote`; returns (its JSON lines, how it ended: "ok", "timed out", or
-    the last line of its stderr). The results come through a file in a folder only this user may open, read after
-    the child has ended."""
-    folder = prepare_folder(files, uid)
+def run_child(scripts, requests, limits, uid, zygote):
+    """Run one submission's child ({script: bytes}), forked by `zygote`; returns (its report's lines, how it ended:
+    "ok", "timed out", or the last line of its stderr). The results come through a file in a folder only this user
+    may open, read after the child has ended; then every process of its uid is killed and, as root, what it left
+    in the shared temporary folders and System V IPC is removed."""
+    outer, home = prepare_folder(scripts, uid)
     private = tempfile.mkdtemp(prefix="sandbox_results_")  # root's own: the child opens its files before dropping
+    cgroups = cgroup_folders(uid, limits) if uid is not None else []
     try:
-        request = child_request([os.path.basename(f) for f in files], requests, limits, uid, preload_list(files))
+        request = child_request(sorted(scripts), requests, limits, uid, preload_list(scripts), cgroups)
         with open(os.path.join(private, "request.json"), "w") as f:
             json.dump(request, f, allow_nan=True)
         deadline = time.monotonic() + limits.seconds
-        number = zygote.start(folder, private)
+        number = zygote.start(home, private)
         try:
             pid = zygote.wait_for(number, "pid", deadline)
             if pid is None:
@@ -315,25 +545,56 @@ def run_child(files, requests, limits, uid, zygote):
             kill_all_of(uid, pid)
         finally:
             zygote.forget(number)
-        lines = read_file(os.path.join(private, "out"), limits.output_bytes).splitlines()
-        tail = read_file(os.path.join(private, "err"), None)[-4000:].strip().splitlines()
+            if uid is not None:
+                sweep(uid)
+                remove_cgroups(cgroups)
+        lines = report_lines(os.path.join(private, "out"), limits.output_bytes)
+        tail = tail_of(os.path.join(private, "err")).strip().splitlines()
         if ended == "ok" and returncode == -signal.SIGXCPU:
             ended = "timed out (its CPU time limit)"
         elif ended == "ok" and returncode != 0:
-            ended = tail[-1] if tail else f"the process ended with status {returncode}"
+            ended = tail[-1][:TEXT_CHARS] if tail else f"the process ended with status {returncode}"
         return lines, ended
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(private, ignore_errors=True)
+        remove_tree(outer)
+        remove_tree(private)
 
 
-def read_file(path, size):
-    """Up to `size` bytes of a file the child wrote (all of it for None), as text; '' when it never opened it."""
+def report_lines(path, limit):
+    """The lines of the child's report, `limit` bytes in all at most; a line longer than LINE_BYTES, or one cut by
+    the limit, ends it. [] when the child never opened it (or it is not a regular file)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(-1 if size is None else size).decode("utf-8", errors="replace")
-    except FileNotFoundError:
+        descriptor = open_entry(path)
+    except Refused:
+        return []
+    if descriptor is None:
+        return []
+    try:
+        data = read_bytes(descriptor, limit)
+    finally:
+        os.close(descriptor)
+    lines = []
+    for line in data[:limit].split(b"\n")[:-1]:  # the last piece has no end of line: cut, or empty
+        if len(line) > LINE_BYTES:
+            break
+        lines.append(line)
+    return lines
+
+
+def tail_of(path, size=4000):
+    """The last `size` bytes of the child's stderr as text, '' when there is none (a flood is never read whole)."""
+    try:
+        descriptor = open_entry(path)
+    except Refused:
         return ""
+    if descriptor is None:
+        return ""
+    try:
+        end = os.fstat(descriptor).st_size
+        os.lseek(descriptor, max(0, end - size), os.SEEK_SET)
+        return read_bytes(descriptor, size)[:size].decode("utf-8", errors="replace")
+    finally:
+        os.close(descriptor)
 
 
 # ---------------------------------------------------------------- reading the child's report as data
@@ -344,10 +605,13 @@ def plain(value):
             raise ValueError(f"an array of dtype {value['dtype']!r:.40}")
         return np.array(value["array"], dtype=value["dtype"])
     if isinstance(value, dict):
-        return {str(key): plain(item) for key, item in value.items()}
+        return {str(key)[:TEXT_CHARS]: plain(item) for key, item in value.items()}
     if isinstance(value, list):
         return [plain(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, str):
+        # No text from the child reaches a regex or a report whole, nor a lone surrogate a UTF-8 file.
+        return value[:TEXT_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
+    if value is None or isinstance(value, (bool, int, float)):
         return value
     raise ValueError(f"a {type(value).__name__}")
 
@@ -392,7 +656,8 @@ def well_formed(value, schema):
 
 def read_report(lines, requests):
     """The child's lines -> ({file: {function: [observation or None per case]}}, {file: import error record}).
-    Only what was asked is kept; a malformed line ends the report (what came before it stands)."""
+    Only what was asked is kept; a malformed line ends the report (what came before it stands): one that is not
+    JSON, nests too deep, holds a number no array can hold, or whose names are not strings."""
     observations = {file: {} for file, _ in requests}
     for (file, function), cases in requests.items():
         observations[file][function] = [None] * len(cases)
@@ -400,7 +665,7 @@ def read_report(lines, requests):
     for line in lines:
         try:
             message = plain(json.loads(line))
-        except (ValueError, RecursionError):
+        except Exception:  # noqa: BLE001 - whatever the child wrote, it ends its own report and nothing else
             break
         if not isinstance(message, dict):
             break
@@ -423,30 +688,31 @@ def import_failure(record):
 
 
 # ---------------------------------------------------------------- one submission, graded
-def grade(files, exercises, cases_for, limits, uid=None, zygote=None):
-    """{exercise: [Result]} for one submission, its code observed in a child that `zygote` forks (without one, a
-    zygote of its own, for this submission only); plus how the child ended. `cases_for(function)` gives a
-    function's cases (with their expectations: they stay here)."""
-    defined, broken = read_submission(files)
+def grade(scripts, refused, exercises, cases_for, limits, uid=None, zygote=None):
+    """{exercise: [Result]} for one submission ({script: the bytes the parent read}, {script: why it was not read}),
+    its code observed in a child that `zygote` forks (without one, a zygote of its own, for this submission only);
+    plus how the child ended. `cases_for(function)` gives a function's cases (with their expectations: they stay
+    here). What is graded is the parent's choice: every exercise function that the repository's script of each name
+    defines, looked up in the child's module (script_functions), whatever the student's source holds."""
+    defined = {name: set(script_functions(name)) for name in [*scripts, *refused]}
     plans = {exercise: grading.plan_exercise(exercise, defined, cases_for) for exercise in exercises}
     planned = {}
     for plan in plans.values():
         for file, functions in (plan or {}).items():
             for function, cases in functions.items():
                 planned[(file, function)] = cases
-    requests = {key: cases for key, cases in planned.items() if key[0] not in broken}
-    runnable = [path for path in files if os.path.basename(path) not in broken]
+    requests = {key: cases for key, cases in planned.items() if key[0] in scripts}
     lines, ended = [], "ok"
     if requests and zygote is None:
-        with Zygote(runnable) as own:
-            lines, ended = run_child(runnable, requests, limits, uid, own)
+        with Zygote(scripts) as own:
+            lines, ended = run_child(scripts, requests, limits, uid, own)
     elif requests:
-        lines, ended = run_child(runnable, requests, limits, uid, zygote)
+        lines, ended = run_child(scripts, requests, limits, uid, zygote)
     observations, import_errors = read_report(lines, planned)
-    not_imported = dict(broken)
+    not_run = dict(refused)
     for file, record in import_errors.items():
-        not_imported[file] = f"{file} does not import:\n{import_failure(record)}"
-    for file, why in not_imported.items():
+        not_run[file] = f"{file} does not import:\n{import_failure(record)}"
+    for file, why in not_run.items():
         for function, slot in observations.get(file, {}).items():
             slot[:] = [{"not_imported": why}] * len(slot)
     if ended != "ok":
@@ -456,7 +722,7 @@ def grade(files, exercises, cases_for, limits, uid=None, zygote=None):
     graded = {}
     for exercise, plan in plans.items():
         if plan is None:
-            graded[exercise] = grading.nothing_defines(exercise, [os.path.basename(f) for f in files])
+            graded[exercise] = grading.nothing_defines(exercise, [*scripts, *refused])
         else:
             graded[exercise] = grading.judge_exercise(plan, observations)
     return graded, ended

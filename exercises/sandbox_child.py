@@ -18,11 +18,13 @@ copy of the zygote's memory whatever the zygote read): {"files": [...], "preload
 expected outputs, no mistakes' answers).
 
 The forked child (a copy-on-write image of the pristine zygote, which never ran a student's code nor held a case
-or a grade) leaves the zygote's pipes and session, opens results/out and results/err as root, then drops to its
-uid and its limits and writes one JSON line per event to results/out: {"file", "loaded"} or {"file",
+or a grade) leaves the zygote's pipes and session, opens results/out and results/err as root, joins the cgroups
+the parent made for it and enters namespaces of its own (join_cgroups, isolate), then drops to its uid and its
+limits and writes one JSON line per event to results/out: {"file", "loaded"} or {"file",
 "import_error"}, then {"file", "function", "index", "observation"} per case as soon as it is observed, then
 {"done": true}. The student's own prints go to /dev/null. Nothing here is trusted by the parent: whatever a child
 writes is read as data and judged there."""
+import ctypes
 import importlib
 import json
 import os
@@ -135,6 +137,55 @@ def serve(request, channel, grading):
     channel.close()
 
 
+# Linux's constants (linux/sched.h, linux/mount.h): what Python 3.11's os module does not name yet.
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+SHARED_FOLDERS = ("/var/tmp", "/dev/shm", "/run/lock")  # the folders any uid may write besides /tmp
+
+
+def join_cgroups(folders):
+    """As root: move this process (and so whatever it starts) into the submission's cgroups, which the parent made
+    with the limits summed over all of the submission's processes (memory, processes)."""
+    for folder in folders:
+        with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def isolate(size):
+    """As root, before any student code runs: mount, IPC and network namespaces of this process's own (what it
+    starts shares them), in which /tmp is a fresh tmpfs of `size` bytes and /var/tmp, /dev/shm and /run/lock are
+    folders of it. What the submission leaves there, System V IPC included, is gone with its last process; it has
+    no network. False when the kernel or a container refuses (the parent then removes the leftovers itself)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET) != 0:
+        return False
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # no mount of ours reaches the machine
+        return False
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777".encode()) != 0:
+        return False
+    for folder in SHARED_FOLDERS:
+        if os.path.isdir(folder):
+            inside = "/tmp/." + folder.strip("/").replace("/", "_")
+            os.mkdir(inside)
+            os.chmod(inside, 0o1777)
+            libc.mount(inside.encode(), folder.encode(), None, MS_BIND, None)
+    return True
+
+
+def private_home(scripts, uid):
+    """The submission's folder inside its private /tmp: home/submission/ holding its scripts, owned by its uid."""
+    home = "/tmp/home"
+    os.makedirs(os.path.join(home, "submission"))
+    for name, data in scripts.items():
+        with open(os.path.join(home, "submission", name), "xb") as f:
+            f.write(data)
+        os.chown(os.path.join(home, "submission", name), uid, uid)
+    for folder in (home, os.path.join(home, "submission")):
+        os.chown(folder, uid, uid)
+        os.chmod(folder, 0o700)
+    return home
+
+
 def run_job(job, grading):
     """The forked child: one submission, start to end; it never returns into the zygote's loop."""
     try:
@@ -142,8 +193,17 @@ def run_job(job, grading):
         channel = private_channel(job["results"])
         with open(os.path.join(job["results"], "request.json")) as f:
             request = json.load(f)
-        fresh_state(job["folder"])
-        os.chdir(os.path.join(job["folder"], "submission"))
+        home = job["folder"]
+        if request["uid"] is not None:
+            join_cgroups(request["cgroups"])
+            scripts = {}
+            for name in request["files"]:  # written by the parent; no student code has run yet
+                with open(os.path.join(home, "submission", name), "rb") as f:
+                    scripts[name] = f.read()
+            if isolate(request["limits"]["files_bytes"]):
+                home = private_home(scripts, request["uid"])
+        fresh_state(home)
+        os.chdir(os.path.join(home, "submission"))
         preload(request["preload"])  # the standard modules this submission imports, loaded by root as before
         if request["uid"] is not None:
             drop_to(request["uid"])

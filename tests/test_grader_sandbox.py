@@ -1,6 +1,11 @@
 """exercises/sandbox.py: the instructor's batch grades each submission in a child process of its own, and no
-submission can change a grade, its own or a neighbour's (issue 32). One batch (a module-scoped fixture) grades every
-attacker below beside an honest script and a victim graded after them; each test reads its part of that batch.
+submission can change a grade, its own or a neighbour's. One batch (a module-scoped fixture) grades every attacker
+below beside an honest script and a victim graded after them; each test reads its part of that batch.
+
+Two kinds of attack: on the children (the student's code: signals, /proc, daemons, the grader's modules, limits),
+and on the parent, which runs as root and reads what the students hand in (links, FIFOs, devices, names of any
+bytes, huge files and messages, a function hidden from a scan of the source, leftovers in /tmp and System V IPC).
+Every test of the second kind fails on the grader of commit bc49cdf.
 
 The instructor runs from a private copy of the repository (a folder only its owner may read, as
 docs/assignments.md asks): a child that finds the repository's path in the instructor's command line then finds
@@ -11,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -130,6 +136,12 @@ def snoop():
     import os
     found = [" ".join(sys.argv), repr(dict(os.environ))]
     folders = [os.getcwd(), os.path.dirname(os.getcwd())]
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # every command line: a wrapper's (timeout) too
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.append(f.read().decode(errors="replace"))
+        except OSError:
+            pass
     for path in ("/proc/self/cmdline", f"/proc/{os.getppid()}/cmdline", f"/proc/{os.getppid()}/environ"):
         try:
             with open(path, "rb") as f:
@@ -268,6 +280,123 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
 '''
 
 
+# ---------------------------------------------------------------- attacks on the parent (it reads as root)
+RAISES = '''
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise ValueError("no")
+
+
+def policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
+    raise ValueError("no")
+
+
+def value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
+    raise ValueError("no")
+'''
+WRONG_LOSSES = '''
+def _wrong_policy_loss(ratio, advantages, kl, kind, clip_coef, kl_beta):
+    return (ratio * advantages).mean()
+
+
+def _wrong_value_loss(new_value, old_value, returns, clip_coef, clip_vloss):
+    return (new_value - returns).abs().mean()
+'''
+# The losses bound through globals(): a scan of the source finds no `def policy_loss` nor `value_loss = ...`.
+HIDDEN_LOSSES = WRONG_LOSSES + '''
+globals()["policy" + "_loss"] = _wrong_policy_loss
+globals()["value" + "_loss"] = _wrong_value_loss
+'''
+VISIBLE_LOSSES = WRONG_LOSSES + '''
+policy_loss = _wrong_policy_loss
+value_loss = _wrong_value_loss
+'''
+DELETED_LOSSES = "\ndel policy_loss, value_loss\n"
+FLOOD = '\nraise RuntimeError("x" * 15_000_000)\n'
+# Leftovers: a file in /tmp and /dev/shm, a System V shared-memory segment, 3000 nested folders in its own folder.
+LEFTOVERS = ZEROS + '''
+import ctypes as _ctypes
+import os as _os
+
+for _folder in ("/tmp", "/dev/shm"):
+    with open(f"{_folder}/sandbox_leftover_{_os.getpid()}", "w") as _f:
+        _f.write("left")
+_ctypes.CDLL(None).shmget(0, 4096, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+_start = _os.getcwd()
+for _ in range(3000):
+    _os.mkdir("d")
+    _os.chdir("d")
+_os.chdir(_start)
+'''
+# Three forks that each hold 1 GiB for a moment: under the batch's --memory-gib 2.5, each within its address space
+# limit, 3 GiB together.
+FORKS = '''
+import os as _os
+import time as _time
+
+_children = []
+for _ in range(3):
+    _pid = _os.fork()
+    if _pid == 0:
+        try:
+            _held = b"\\x01" * (1 << 30)
+            _time.sleep(3)
+        except MemoryError:
+            _os._exit(3)
+        _os._exit(0)
+    _children.append(_pid)
+_statuses = [_os.waitstatus_to_exitcode(_os.waitpid(_pid, 0)[1]) for _pid in _children]
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError(f"FORKS {_statuses}")
+'''
+QUADRATIC = '''
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError("shape " * 20_000)
+'''
+
+
+def rename(source, old, new):
+    assert old in source
+    return source.replace(old, new)
+
+
+def hostile_parent_submissions(folder, secret_file, repository):
+    """Submissions that attack the parent: links to the references, to a classmate's script, to a root-only file
+    and to /dev/zero, a folder that is a link, a FIFO, folder names that are not UTF-8 or are a formula, functions
+    deleted or bound through globals(), functions that only raise, a 15 MB import error, a 2 MiB script, what a
+    submission leaves in /tmp, /dev/shm and System V IPC, and a quadratic regex's input. Returns the folders' names
+    (as the grader lists them)."""
+    with open(os.path.join(ROOT, "ppo_procgen.py")) as f:
+        script = f.read()
+    losses_hidden = rename(rename(script, "def policy_loss(", "def _policy_loss("), "def value_loss(",
+                           "def _value_loss(")
+    sources = {"b_deleted": script + DELETED_LOSSES, "b_globals": losses_hidden + HIDDEN_LOSSES,
+               "b_visible": script + VISIBLE_LOSSES, "b_raises": script + RAISES, "b_flood": script + FLOOD,
+               "b_huge": script + "\n" + "# padding\n" * 220_000, "b_leftovers": script + LEFTOVERS,
+               "b_quadratic": script + QUADRATIC, "b_forks": script + FORKS, "=SUM(1+1)": script,
+               os.fsdecode(b"b_\xff\xfe"): script}
+    for student, source in sources.items():
+        os.makedirs(os.path.join(folder, student))
+        with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
+            f.write(source)
+    links = {"b_link_references": os.path.join(repository, "exercises", "references.py"),
+             "b_link_classmate": os.path.join(folder, "m_correct", "ppo_procgen.py"),
+             "b_link_secret": secret_file, "b_link_zero": "/dev/zero"}
+    for student, target in links.items():
+        os.makedirs(os.path.join(folder, student))
+        os.symlink(target, os.path.join(folder, student, "ppo_procgen.py"))
+    os.makedirs(os.path.join(folder, "b_fifo"))
+    os.mkfifo(os.path.join(folder, "b_fifo", "ppo_procgen.py"))
+    os.symlink(os.path.join(folder, "m_correct"), os.path.join(folder, "b_folder_link"))
+    return [*sources, *links, "b_fifo", "b_folder_link"]
+
+
+def report_stem(student):
+    """The name of a student's report files: printable (a byte that is not UTF-8 as \\xNN)."""
+    return os.fsencode(student).decode("utf-8", errors="backslashreplace")
+
+
 def submissions():
     """{student: the source of ppo_procgen.py}. Sorted by name, the attackers come before the victim."""
     with open(os.path.join(ROOT, "ppo_procgen.py")) as f:
@@ -299,18 +428,51 @@ def write_submissions(folder):
             f.write(source)
 
 
+UIDS = range(1_500_000_000, 1_600_000_000)  # the submissions' uids (sandbox.UID_BASE and up)
+# A wrapper that runs a command and tells the largest resident set of its descendants (the grader's own included).
+PEAK = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+        "print('peak-kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)")
+
+
+def leftovers():
+    """What a submission's uid still owns in the shared temporary folders and in System V IPC."""
+    found = []
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        for entry in os.scandir(folder):
+            try:
+                if entry.stat(follow_symlinks=False).st_uid in UIDS:
+                    found.append(entry.path)
+            except OSError:
+                pass
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = [line.split() for line in f]
+        found += [f"{kind} {row[1]}" for row in rows if int(row[header.index("uid")]) in UIDS]
+    return found
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """One batch of every submission above (GAE, 40 points): {student: its JSON result}, the CSV's rows, the
-    reports, and the batch's wall time."""
+    """One batch of every submission above (GAE, 40 points), run as an instructor would: under `timeout`, the secret
+    in a file only root may read. {student: its JSON result}, the CSV's rows and text, the reports, the batch's
+    wall time, the grader's peak memory, and what was left behind."""
     base = tmp_path_factory.mktemp("sandbox")
     repository = private_repository(str(base / "repository"))
-    folder, out = str(base / "submissions"), str(base / "grades")
+    folder, out, temporary = str(base / "submissions"), str(base / "grades"), str(base / "tmp")
+    os.makedirs(temporary)
+    secret_file = str(base / "secret")
+    with open(secret_file, "w") as f:
+        f.write(SECRET + "\n")
+    os.chmod(secret_file, 0o600)
     write_submissions(folder)
-    command = [sys.executable, os.path.join(repository, "exercises", "instructor.py"), "batch", folder,
-               "--exercises", "gae", "--secret", SECRET, "--out", out, "--jobs", "2", "--cpu-seconds", "4",
-               "--case-seconds", "2", "--seconds", "120"]
+    hostile = hostile_parent_submissions(folder, secret_file, repository)
+    command = [sys.executable, "-c", PEAK, "timeout", "600", sys.executable,
+               os.path.join(repository, "exercises", "instructor.py"), "batch", folder, "--exercises", "gae",
+               "--secret-file", secret_file, "--out", out, "--jobs", "2", "--cpu-seconds", "4", "--case-seconds",
+               "2", "--seconds", "120", "--memory-gib", "2.5", *([] if os.geteuid() == 0 else ["--unsafe-same-user"])]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
+    environment["TMPDIR"] = temporary  # the grader's own (its children's folders go to /tmp, which all may cross)
+    before = set(leftovers())  # another grader's (a concurrent run): not this batch's
     start = time.time()
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=repository, env=environment)
     seconds = time.time() - start
@@ -320,15 +482,26 @@ def graded(tmp_path_factory):
     time.sleep(1.5)  # a daemon that survived its child would rewrite grades.csv now
     results = {}
     reports = {}
-    for student in submissions():
-        with open(os.path.join(out, f"{student}.json")) as f:
+    for student in [*submissions(), *hostile]:
+        with open(os.path.join(out, f"{report_stem(student)}.json")) as f:
             results[student] = json.load(f)
-        with open(os.path.join(out, f"{student}.txt")) as f:
+        with open(os.path.join(out, f"{report_stem(student)}.txt")) as f:
             reports[student] = f.read()
     with open(os.path.join(out, "grades.csv")) as f:
-        rows = {row["student"]: row for row in csv.DictReader(f)}
-    return {"results": results, "rows": rows, "reports": reports, "seconds": seconds, "out": out,
-            "stdout": result.stdout + result.stderr, "repository": repository, "folder": folder}
+        table = f.read()
+    rows = {row["student"]: row for row in csv.DictReader(table.splitlines())}
+    peak = int(result.stderr.rsplit("peak-kib", 1)[1].split()[0]) * 1024
+    return {"results": results, "rows": rows, "table": table, "reports": reports, "seconds": seconds, "out": out,
+            "stdout": result.stdout + result.stderr, "repository": repository, "folder": folder, "peak": peak,
+            "left": [item for item in leftovers() if item not in before] + [
+                os.path.join(temporary, name) for name in os.listdir(temporary)],
+            "secret_file": secret_file}
+
+
+def row_of(graded, student):
+    """The student's row of grades.csv: the name escaped as in the reports, a formula neutralised."""
+    name = report_stem(student)
+    return graded["rows"][f"'{name}" if name[:1] in "=+-@" else name]
 
 
 def cases(graded, student, function="compute_gae"):
@@ -387,9 +560,10 @@ def test_the_victim_graded_alone_gets_the_grade_it_got_after_the_attackers(grade
 @AS_ROOT
 def test_no_exit_hook_or_daemon_rewrites_the_csv(graded):
     rows = graded["rows"]
-    assert set(rows) == set(graded["results"])
+    assert len(rows) == len(graded["results"])
     for student, result in graded["results"].items():
-        assert float(rows[student]["points"]) == result["points"] and float(rows[student]["max_points"]) == 40
+        row = row_of(graded, student)
+        assert float(row["points"]) == result["points"] and float(row["max_points"]) == 40
     assert earned_on_values(graded, "a_rewriter") == 0
 
 
@@ -437,11 +611,14 @@ def test_an_endless_loop_scores_zero_for_what_it_never_finished(graded):
 
 
 def test_a_broken_file_scores_zero_of_the_same_maximum_with_its_reason(graded):
-    for student, reason in (("a_syntax", "SyntaxError at line"), ("a_crash", "RuntimeError: boom at import"),
-                            ("a_missing", "no file defines compute_gae")):
+    for student, reason in (("a_syntax", "SyntaxError: "), ("a_crash", "RuntimeError: boom at import")):
         result = graded["results"][student]
         assert result["points"] == 0 and result["max_points"] == 40, student
         assert reason in graded["reports"][student], (student, graded["reports"][student][:2000])
+    missing = cases(graded, "a_missing")  # renamed: its cases score 0, its other functions are graded as usual
+    assert missing and not any(case["passed"] for case in missing)
+    assert all("compute_gae is not defined in this file" in case["message"] for case in missing)
+    assert graded["results"]["a_missing"]["exercises"]["gae"]["max_points"] == 40
 
 
 def test_a_forged_or_malformed_report_scores_nothing_and_stops_nothing():
@@ -498,5 +675,175 @@ def test_a_dead_zygote_fails_the_submission_with_its_reason_and_does_not_hang():
         zygote.process.wait()
         start = time.monotonic()
         with pytest.raises(sandbox.ZygoteError, match="zygote"):
-            sandbox.run_child([os.path.join(ROOT, "ppo_procgen.py")], requests, limits, None, zygote)
+            sandbox.run_child({"ppo_procgen.py": b"x = 1\n"}, requests, limits, None, zygote)
         assert time.monotonic() - start < 30  # it did not wait for the wall-clock limit
+
+
+# ---------------------------------------------------------------- the parent trusts nothing it reads
+def test_a_link_a_fifo_or_a_device_named_like_a_script_is_not_read_and_the_batch_finishes(graded):
+    """A script that is a symbolic link (to the references, a classmate's script, a root-only file, /dev/zero), a
+    FIFO, a student's folder that is a link to a classmate's: nothing read, 0 of 40, the reason in the report."""
+    for student in ("b_link_references", "b_link_classmate", "b_link_secret", "b_link_zero", "b_fifo",
+                    "b_folder_link"):
+        result, report = graded["results"][student], graded["reports"][student]
+        assert result["points"] == 0 and result["exercises"]["gae"]["max_points"] == 40, (student, report[:2000])
+        assert "symbolic link" in report or "not a regular file" in report, (student, report[:2000])
+        assert SECRET not in report + json.dumps(result) and "def compute_gae" not in report, student
+    assert points(graded, "m_correct") == EXERCISE_POINTS  # the classmate's own grade
+
+
+def test_a_name_of_any_bytes_or_a_formula_gets_its_row_escaped(graded):
+    """A folder name that is not UTF-8 is graded (40 of 40 for a correct script) under an escaped name; a name that
+    starts like a spreadsheet formula is neutralised in the CSV."""
+    odd = os.fsdecode(b"b_\xff\xfe")
+    assert graded["results"][odd]["points"] == EXERCISE_POINTS and graded["results"][odd]["student"] == "b_\\xff\\xfe"
+    assert float(row_of(graded, odd)["points"]) == EXERCISE_POINTS
+    assert float(row_of(graded, "=SUM(1+1)")["points"]) == EXERCISE_POINTS
+    assert not [line for line in graded["table"].splitlines() if line[:1] in "=+-@"]
+
+
+def test_every_graded_function_is_looked_up_whatever_the_source_shows(graded):
+    """The losses deleted after their definition, or bound through globals() where a scan of the source finds no
+    definition: their cases are graded (0 when missing, their real answers otherwise), never skipped."""
+    assert points(graded, "b_globals") == points(graded, "b_visible") < 20, graded["reports"]["b_globals"][:3000]
+    deleted = [case for case in graded["results"]["b_deleted"]["exercises"]["gae"]["cases"]
+               if not case["item"].startswith("compute_gae")]
+    assert deleted and not any(case["passed"] for case in deleted)
+    assert "policy_loss is not defined" in graded["reports"]["b_deleted"]
+
+
+def test_a_function_that_only_raises_scores_zero_everywhere(graded):
+    result = graded["results"]["b_raises"]
+    assert result["points"] == 0 and result["exercises"]["gae"]["max_points"] == 40, graded["reports"]["b_raises"]
+
+
+def test_floods_and_huge_files_stay_small_in_the_grader_and_its_reports(graded):
+    """A 15 MB import error, a 2 MiB script (not read: over the 1 MiB cap), a 120 KB message that a quadratic regex
+    took 6 s a case on: each scores 0 of 40 with a report of a few hundred KB at most, in a batch whose grader
+    (children included) stays under 1.5 GiB."""
+    for student in ("b_flood", "b_huge", "b_quadratic"):
+        assert earned_on_values(graded, student) == 0, student
+        size = os.path.getsize(os.path.join(graded["out"], f"{student}.txt"))
+        assert size < 300_000, (student, size)
+    assert "larger than 1 MiB" in graded["reports"]["b_huge"] and "RuntimeError: shape" in graded["reports"][
+        "b_quadratic"]
+    assert graded["results"]["b_flood"]["points"] == graded["results"]["b_huge"]["points"] == 0
+    assert graded["peak"] < 1.5 * 2**30, graded["peak"]
+
+
+@AS_ROOT
+def test_nothing_of_a_submission_outlives_the_batch(graded):
+    """Files in /tmp and /dev/shm, a System V shared-memory segment, 3000 nested folders: all gone after the
+    batch, which graded that submission as any other (no 'grader failed')."""
+    assert not graded["left"], graded["left"]
+    assert points(graded, "b_leftovers") == points(graded, "z_victim"), graded["reports"]["b_leftovers"][:2000]
+    assert "grader failed" not in graded["reports"]["b_leftovers"]
+
+
+def cgroups_available():
+    from exercises import sandbox
+
+    folders = sandbox.cgroup_folders(1_599_999_999, sandbox.Limits()) if os.geteuid() == 0 else []
+    sandbox.remove_cgroups(folders)
+    return bool(folders)
+
+
+@AS_ROOT
+def test_the_memory_limit_holds_for_all_of_a_submissions_processes_together(graded):
+    """Three forks of 1 GiB each, each within its own address-space limit, 3 GiB together under --memory-gib 2.5:
+    with cgroups, not all three hold their memory at once (one is killed), and the submission earns nothing."""
+    if not cgroups_available():
+        pytest.skip("no cgroup this process may write: the memory limit is per process (docs/assignments.md)")
+    report = graded["reports"]["b_forks"]
+    assert earned_on_values(graded, "b_forks") == 0
+    assert "FORKS [0, 0, 0]" not in report and ("FORKS [" in report or "status -9" in report), report[:3000]
+
+
+def test_the_secret_is_refused_on_a_command_line_and_read_from_a_file(tmp_path, capsys):
+    from exercises import instructor
+
+    with pytest.raises(SystemExit):
+        instructor.main(["batch", str(tmp_path), "--secret", "S", "--unsafe-same-user"])
+    assert "--secret-file" in capsys.readouterr().err
+    (tmp_path / "secret").write_text("first line\nsecond\n")
+    assert instructor.read_secret(str(tmp_path / "secret")) == "first line"
+    with pytest.raises(SystemExit):
+        instructor.main(["batch", "--help"])
+    assert "/proc/PID/cmdline" in " ".join(capsys.readouterr().out.split())  # --help says why
+
+
+def test_a_normal_user_is_refused_in_one_line_unless_it_accepts_the_risk(tmp_path, capsys, monkeypatch):
+    from exercises import instructor
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    for command in (["batch", str(tmp_path)], ["grade", "gae", str(tmp_path / "ppo_procgen.py")]):
+        with pytest.raises(SystemExit) as stopped:
+            instructor.main(command)
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stopped.value.code == 2 and "--unsafe-same-user" in error and "read and change your files" in error
+    called = []
+    monkeypatch.setattr(instructor, "batch", lambda *args, **kwargs: called.append(args))
+    assert instructor.main(["batch", str(tmp_path), "--unsafe-same-user"]) == 0 and called
+
+
+def test_the_grader_warns_about_a_readable_repository_and_secret(capsys, monkeypatch):
+    """As root: a checkout that others may read gives the children the references, a readable secret file the
+    secret; the warning names both, and says nothing once they are private."""
+    from exercises import instructor
+
+    base = tempfile.mkdtemp(dir="/tmp")  # under /tmp, which lets everyone through
+    try:
+        repository = os.path.join(base, "checkout")
+        os.makedirs(os.path.join(repository, "exercises"))
+        secret = os.path.join(base, "secret")
+        for path, text in ((os.path.join(repository, "exercises", "references.py"), "def gae(): pass\n"),
+                           (secret, "S\n")):
+            with open(path, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o644)
+        for path in (base, repository, os.path.join(repository, "exercises")):
+            os.chmod(path, 0o755)
+        private = os.path.join(base, "private")
+        os.mkdir(private, 0o700)
+        monkeypatch.setattr(os, "geteuid", lambda: 0)
+        instructor.warn_if_open(private, repository=repository, secret_file=secret)
+        err = capsys.readouterr().err
+        assert f"chmod -R o-rwx {repository}" in err and f"chmod -R o-rwx {secret}" in err and private not in err
+        os.chmod(repository, 0o700)
+        os.chmod(secret, 0o600)
+        instructor.warn_if_open(private, repository=repository, secret_file=secret)
+        assert "warning" not in capsys.readouterr().err
+    finally:
+        shutil.rmtree(base)
+
+
+def test_the_parent_reads_a_hostile_report_in_linear_time_and_one_line_ends_it():
+    """What a child can write on its result channel itself (it holds the descriptor): a message a quadratic regex
+    would take minutes on, a number no int64 array can hold, a lone surrogate. The report is read up to the bad line,
+    judged in well under a second, and nothing raises."""
+    import numpy as np
+
+    from exercises import grading, sandbox
+
+    case = grading.Case("compute_gae", "forged", {"rewards": np.zeros((1, 1))}, expected=[np.zeros((1, 1))])
+    requests = {("ppo_procgen.py", "compute_gae"): [case, case, case]}
+    record = {"type": "RuntimeError", "message": "shape " * 20_000 + "\ud800", "frames": "", "last_line": "",
+              "blank": False, "floating_point": False}
+    lines = [json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 0,
+                         "observation": {"float64": {"error": record}}}),
+             json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 1,
+                         "observation": {"float64": {"outputs": [{"array": [[10 ** 30]], "dtype": "int64"}]}}}),
+             json.dumps({"file": "ppo_procgen.py", "function": "compute_gae", "index": 2,
+                         "observation": {"float64": {"error": record}}})]
+    start = time.monotonic()
+    observations, _ = sandbox.read_report(lines, requests)
+    results = grading.judge_cases(requests[("ppo_procgen.py", "compute_gae")],
+                                  observations["ppo_procgen.py"]["compute_gae"])
+    assert time.monotonic() - start < 1.0
+    assert [r.points for r in results] == [0.0, 0.0, 0.0]
+    assert "RuntimeError: shape" in results[0].message and len(results[0].message) < 10_000
+    assert results[1].message.startswith("timed out") and results[2].message.startswith("timed out")
+    results[0].message.encode("utf-8")  # no lone surrogate reaches a report
+    start = time.monotonic()
+    grading.explain_error(record)  # the public grader reads the same messages
+    assert time.monotonic() - start < 1.0
