@@ -386,6 +386,24 @@ def test_the_speed_table_matches_its_json():
     assert checked >= 10
 
 
+def test_the_procgen_backends_table_matches_its_json():
+    """docs/speed.md's procgen-mirror / EnvPool rows: medians, ranges and ratios of cpu_env_backends.json."""
+    text = open(os.path.join(ROOT, "docs", "speed.md")).read()
+    section = text.split("## Procgen backends: procgen-mirror and EnvPool")[1].split("\n## ")[0]
+    data = json.load(open(os.path.join(ROOT, "benchmarks", "results", "cpu_env_backends.json")))
+    rows = [row for row in table_rows(section) if row[0] != "game"]
+    assert [row[0].lower() for row in rows] == list(data["summary"])
+
+    def cell(timings):
+        speeds = [timing["steps_per_second"] for timing in timings]
+        return f"{statistics.median(speeds):,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f})"
+
+    for row in rows:
+        timings, summary = data["timings"][row[0].lower()], data["summary"][row[0].lower()]
+        assert row[1:] == [cell(timings["procgen"]), cell(timings["envpool"]),
+                           f"{summary['envpool_over_procgen']:.2f}"], row[0]
+
+
 def test_the_bf16_learning_table_matches_its_json():
     text = open(os.path.join(ROOT, "docs", "speed.md")).read()
     summary = json.load(open(os.path.join(ROOT, "benchmarks", "results", "cpu_amp_learning.json")))["summary"]

@@ -20,8 +20,8 @@ import ppo_procgen as ppo
 TRACE = os.path.join(ROOT, "tests", "data", "procgen_trace.npz")
 PLAYED = ("starpilot", "bigfish", "bossfight", "coinrun")  # the speed table's games, and one with rare ends
 NUM_ENVS, STEPS, SEED, FIRST_SEED = 4, 300, 7, 11
-# Anti-aliasing differences between the Qt builds touch at most 58 of a frame's 4096 pixels in the recorded games;
-# a frame of the wrong moment (the old episode's last frame, the next step's) differs in far more.
+# Anti-aliasing differences between the Qt builds touch a few dozen of a frame's 4096 pixels at most (28 in 1,000
+# steps of CoinRun: docs/platforms.md); a frame of the wrong moment (the old episode's last one) differs in far more.
 MAX_PIXELS_REDRAWN = 128
 WHEELS = {"procgen": "CPython 3.11 and 3.12 on Linux x86-64",
           "envpool": "CPython 3.13 and 3.14 on Linux x86-64; 3.11-3.14 on Linux aarch64, macOS arm64 and Windows"}
