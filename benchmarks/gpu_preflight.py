@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import io
 import json
 import os
@@ -33,10 +34,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cloudpickle) included.
 REQUIRED = [("numpy", "numpy"), ("torch", "torch"), ("typing_extensions", "typing_extensions"),
             ("tyro", "tyro"), ("docstring_parser", "docstring-parser"), ("typeguard", "typeguard"),
-            ("gymnasium", "gymnasium"), ("cloudpickle", "cloudpickle"), ("gym", "gym"), ("cffi", "cffi"),
-            ("imageio", "imageio"), ("filelock", "filelock"), ("gym3", "gym3"),
-            ("procgen", "procgen-mirror"), ("matplotlib", "matplotlib"), ("tensorboard", "tensorboard"),
+            ("gymnasium", "gymnasium"), ("cloudpickle", "cloudpickle"), ("imageio", "imageio"),
+            ("filelock", "filelock"), ("matplotlib", "matplotlib"), ("tensorboard", "tensorboard"),
             ("pytest", "pytest")]
+# The Procgen backend that requirements.txt installs on this platform (docs/platforms.md): procgen-mirror with the
+# old gym and gym3, or EnvPool.
+BACKEND_REQUIRED = {"procgen": [("gym", "gym"), ("cffi", "cffi"), ("gym3", "gym3"), ("procgen", "procgen-mirror")],
+                    "envpool": [("envpool", "envpool")]}
 # Used only by flags the check never sets (videos, Weights & Biases), or to run tests in parallel.
 OPTIONAL = [("av", "av"), ("wandb", "wandb"), ("xdist", "pytest-xdist")]
 MINIMUM_VERSIONS = {"typing_extensions": (4, 13)}  # tyro 1.0.17's; older ones import, fail later
@@ -63,7 +67,8 @@ def check_imports(report):
     Qt's system libraries); of the optional ones only the versions (wandb takes seconds)."""
     for _, distribution in OPTIONAL:
         report["packages"][distribution] = distribution_version(distribution)
-    for module, distribution in REQUIRED:
+    backend = "procgen" if importlib.util.find_spec("procgen") else "envpool"  # the scripts' --env-backend auto
+    for module, distribution in REQUIRED + BACKEND_REQUIRED[backend]:
         version = distribution_version(distribution)
         report["packages"][distribution] = version
         try:

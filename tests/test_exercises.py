@@ -620,7 +620,7 @@ def test_a_bundle_outside_the_repository_grades_without_it(tmp_path):
     (tmp_path / "ppo_procgen.py").write_text(head + "def compute_gae(" + signature_and_doc + body + after)
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); from exercises import grade; "
              "ok = grade.grade('gae', sys.argv[2], train=False, out=print); "
-             "root = sys.argv[3] + '/'; venv = root + '.venv/'; "
+             "root = sys.argv[3] + '/'; venv = sys.prefix + '/'; "  # a virtual environment may live in the clone
              "mine = [m.__file__ for m in list(sys.modules.values()) if (getattr(m, '__file__', None) or '')"
              ".startswith(root) and not m.__file__.startswith(venv)]; print('FROM REPO', mine); "
              "sys.exit(0 if ok and not mine else 1)")
