@@ -2,7 +2,7 @@
 
   python exercises/grade.py EXERCISE [FILE ...] [--no-train] [-v] [--json OUT]
 
-EXERCISE is one of gae, ppo_loss, ppg_aux, vtrace, rlhf; FILE is the student's copy of the script (made by
+EXERCISE is one of gae, ppo_loss, ppg_aux, vtrace, rlhf, grpo_rloo; FILE is the student's copy of the script (made by
 exercises/make_starter.py, the blank filled in; several files: each is graded, and copies of one function must
 agree), by default the script of that name next to exercises/. The cases are data (exercises/cases/*.json: inputs,
 expected outputs and gradients, the answers of typical mistakes with their hints): no solution ships. Every case is
