@@ -1,11 +1,11 @@
 """RLHF with PPO, end to end, on a toy language small enough to train in minutes on a CPU:
 SFT a tiny transformer on a synthetic sentiment corpus, label pairs of its samples with a hidden
-gold reward, fit a Bradley-Terry reward model, then PPO against it with a per-token KL leash to SFT.
+gold reward, fit a Bradley-Terry reward model, then PPO against it with a per-token KL leash to SFT
+(or, --advantage grpo / rloo, its critic-free successors GRPO (2402.03300) and RLOO (2402.14740)).
 Papers: InstructGPT (Ouyang et al. 2022, arXiv 2203.02155), Ziegler et al. 2019 (1909.08593),
 Stiennon et al. 2020, Gao et al. 2022 (2210.10760). OAI = OpenAI's lm-human-preferences code;
 N+ = Huang et al. 2024 (2403.17031). Run: `python ppo_rlhf_toy.py`; metrics: docs/rlhf.md.
-Read top to bottom; the appendix below `train` is plumbing.
-"""
+Read top to bottom; the appendix below `train` is plumbing."""
 import copy
 import functools
 import io
@@ -70,8 +70,9 @@ class Args:
     advantage: Literal["gae", "grpo", "rloo"] = "gae"
     """the advantage estimator, all else of the loop the same. gae: PPO, a critic (from the RM) and GAE;
     grpo: GRPO's group-normalised score (Shao et al. 2024), no critic; rloo: RLOO's leave-one-out
-    baseline (Ahmadian et al. 2024), no critic. Both keep PPO's clipped surrogate and epochs (RLOO's
-    paper takes one REINFORCE step per batch) so that only the advantage differs"""
+    baseline (Ahmadian et al. 2024), no critic. So that only the advantage differs, both keep PPO's
+    clipped surrogate, epochs and minibatches (RLOO's paper takes one REINFORCE step per batch) and
+    its mean over all tokens of a minibatch (GRPO eq. 3 averages each response's tokens first)"""
     group_size: int = 4
     """k: responses sampled per prompt for grpo and rloo (their papers: G = 64, k = 2 or 4), the
     batch still --rollout-batch-size responses; gae samples one per prompt draw"""

@@ -1,19 +1,20 @@
-"""PPO (GAE and a critic) against its critic-free successors GRPO and RLOO on ppo_rlhf_toy.py's toy, at the same
-budget, over seeds and a sweep of the KL coefficient beta.
+"""PPO (GAE and a critic) against its critic-free successors GRPO and RLOO on ppo_rlhf_toy.py's
+toy, at the same budget, over seeds and a sweep of the KL coefficient beta.
 
-    python benchmarks/rlhf_estimators.py --seeds 1 2 3 4 --betas 0.05 0.0 0.2 --out docs/rlhf_estimators.json \
-        --plot docs/rlhf_estimators.png
+    python benchmarks/rlhf_estimators.py --seeds 1 2 3 4 --betas 0.05 0.2 \
+        --out docs/rlhf_estimators.json --plot docs/rlhf_estimators.png
     python benchmarks/rlhf_estimators.py --report docs/rlhf_estimators.json --plot docs/rlhf_estimators.png
 
-Every flag of ppo_rlhf_toy.py applies to each run (--seed, --beta and --advantage are replaced by --seeds, --betas and
---estimators). Fair by construction: every run of a seed loads the SFT policy and the reward model that the seed's
-first run trained, so the estimators of a seed share the SFT policy, the RM, the prompt distribution and best-of-n;
-each run generates --rollout-batch-size responses per iteration for --ppo-iterations iterations. Runs go beta by
-beta (every seed and estimator at the first beta first) and the JSON is rewritten after each run, so a stopped
-benchmark keeps every finished run and a restart with the same --out skips them. The compute of each RL stage is
-counted here, not in the toy: the token positions each network processes forward (and backward, when its
-parameters learn), and the RL stage's wall and CPU seconds. Means over seeds with 95% confidence intervals (Student
-t); differences to PPO are paired by seed.
+Every flag of ppo_rlhf_toy.py applies to each run (--seed, --beta and --advantage are replaced by
+--seeds, --betas and --estimators). Fair by construction: every run of a seed loads the SFT policy
+and the reward model that the seed's first run trained, so the estimators of a seed share the SFT
+policy, the RM, the prompt distribution and best-of-n; each run generates --rollout-batch-size
+responses per iteration for --ppo-iterations iterations. Runs go beta by beta (every seed and
+estimator at the first beta first) and the JSON is rewritten after each run, so a stopped benchmark
+keeps every finished run and a restart with the same --out skips them. The compute of each RL stage
+is counted here, not in the toy: the token positions each network processes forward (and backward,
+when its parameters learn), and the RL stage's wall and CPU seconds. Means over seeds with 95%
+confidence intervals (Student t); differences to PPO are paired by seed.
 """
 import collections
 import dataclasses
@@ -54,8 +55,8 @@ class EstimatorArgs(toy.Args):
     """JSON of every finished run; rewritten after each run, read back to skip finished runs"""
     plot: Optional[str] = None
     """where to write the figure (none by default)"""
-    report: Optional[str] = None
-    """only print the tables (and --plot) of this JSON; run nothing"""
+    report: Tuple[str, ...] = ()
+    """run nothing: print the tables (and --plot) of these JSON files, their runs together"""
 
 
 # ---------------------------------------------------------------- compute: counted around the toy's RL stage
@@ -118,8 +119,12 @@ def run_one(toy_args, seed, estimator, beta, checkpoints):
 
 def main(args):
     if args.report:
-        with open(args.report) as file:
-            results = json.load(file)
+        parts = []
+        for path in args.report:
+            with open(path) as file:
+                parts.append(json.load(file))
+        results = {"commands": [part["command"] for part in parts], "hardware": parts[0]["hardware"],
+                   "runs": [run for part in parts for run in part["runs"]]}
         report(results, args.plot)
         return results
     toy_args = toy.Args(**{field.name: getattr(args, field.name) for field in dataclasses.fields(toy.Args)})
@@ -133,19 +138,20 @@ def main(args):
             results = json.load(file)
     checkpoints = {int(seed): tuple(paths) for seed, paths in results["checkpoints"].items()}
     done = {(run["seed"], run["estimator"], run["beta"]) for run in results["runs"]}
-    toy.TinyTransformer.forward = counting_forward
+    toy.TinyTransformer.forward = counting_forward  # the toy itself is left as it was, below
     toy.run_ppo = measured_run_ppo
     start = time.time()
-    for beta in args.betas:
-        for seed in args.seeds:
-            for estimator in args.estimators:
-                if (seed, estimator, beta) in done:
-                    continue
-                print(f"\n##### seed {seed}, {NAMES[estimator]}, beta {beta:g} ({time.time() - start:.0f} s)",
-                      flush=True)
-                results["runs"].append(run_one(toy_args, seed, estimator, beta, checkpoints))
-                results["checkpoints"] = {str(seed): paths for seed, paths in checkpoints.items()}
-                write_json(args.out, results)
+    try:
+        for beta, seed, estimator in [(b, s, e) for b in args.betas for s in args.seeds for e in args.estimators]:
+            if (seed, estimator, beta) in done:
+                continue
+            print(f"\n##### seed {seed}, {NAMES[estimator]}, beta {beta:g} ({time.time() - start:.0f} s)", flush=True)
+            results["runs"].append(run_one(toy_args, seed, estimator, beta, checkpoints))
+            results["checkpoints"] = {str(seed): paths for seed, paths in checkpoints.items()}
+            write_json(args.out, results)
+    finally:
+        toy.TinyTransformer.forward = original_forward
+        toy.run_ppo = original_run_ppo
     report(results, args.plot)
     print(f"results: {args.out} ({time.time() - start:.0f} s)")
     return results
@@ -284,22 +290,20 @@ def plot(results, path):
         for key, style, axis in (("gold/score", "-", 0), ("proxy/score", "--", 0), ("objective/kl", "-", 1)):
             mean, half = mean_and_interval([toy.moving_average([r[key] for r in run["history"]]) for run in runs])
             x = iterations[(toy.SMOOTHING_WINDOW - 1) // 2:][:len(mean)]
-            label = f"{NAMES[estimator]}: {'hidden gold' if key == 'gold/score' else key.split('/')[0]}"
-            axes[axis].plot(x, mean, style, color=color, label=label if axis == 0 or key == "objective/kl" else None)
+            what = {"gold/score": ": hidden gold", "proxy/score": ": proxy (RM)", "objective/kl": ""}[key]
+            axes[axis].plot(x, mean, style, color=color, label=NAMES[estimator] + what)
             axes[axis].fill_between(x, mean - half, mean + half, color=color, alpha=0.15, lw=0)
-        frontier = []
-        for beta in sorted({run["beta"] for run in results["runs"]}):
-            beta_runs = runs_of(results, estimator, beta)
-            if beta_runs:
-                kl = mean_and_interval([run["final"]["objective/kl"] for run in beta_runs])
-                gold = mean_and_interval([run["final"]["gold/score"] for run in beta_runs])
-                frontier.append((beta, kl, gold))
-        axes[2].errorbar([math.sqrt(max(kl[0], 0)) for _, kl, _ in frontier], [gold[0] for *_, gold in frontier],
-                         yerr=[gold[1] for *_, gold in frontier], fmt="o-", color=color, capsize=3,
-                         label=NAMES[estimator])
-        for beta, kl, gold in frontier:
-            axes[2].annotate(f"β={beta:g}", (math.sqrt(max(kl[0], 0)), gold[0]), fontsize=7, color=color,
-                             xytext=(4, 4), textcoords="offset points")
+        betas = [beta for beta in sorted({run["beta"] for run in results["runs"]}) if runs_of(results, estimator, beta)]
+        final = {key: [mean_and_interval([run["final"][key] for run in runs_of(results, estimator, beta)])
+                       for beta in betas] for key in ("objective/kl", "gold/score", "proxy/score")}
+        sqrt_kl = [math.sqrt(max(kl, 0)) for kl, _ in final["objective/kl"]]
+        for key, style, what in (("gold/score", "o-", ": hidden gold"), ("proxy/score", "o--", ": proxy (RM)")):
+            axes[2].errorbar(sqrt_kl, [mean for mean, _ in final[key]], yerr=[half for _, half in final[key]],
+                             fmt=style, mfc="none" if key == "proxy/score" else color, color=color, capsize=3,
+                             label=NAMES[estimator] + what)
+        for beta, x, (gold, _) in zip(betas, sqrt_kl, final["gold/score"]):
+            axes[2].annotate(f"β={beta:g}", (x, gold), fontsize=7, color=color, xytext=(4, -10),
+                             textcoords="offset points")
     firsts = [run for run in results["runs"] if "bon" in run]
     if firsts:
         bon = firsts[0]["bon"]
@@ -311,8 +315,9 @@ def plot(results, path):
     axes[0].set(xlabel="iteration", ylabel="score (solid: hidden gold, dashed: proxy RM)",
                 title=f"gold and proxy during training, β = {first_beta:g}\n({smoothing})")
     axes[1].set(xlabel="iteration", ylabel="KL(pi || pi_ref)  [nats]", title=f"KL to the SFT policy, β = {first_beta:g}")
-    axes[2].set(xlabel="sqrt(KL(pi || pi_ref)) at the end  [sqrt nats]", ylabel="hidden gold score at the end",
-                title=f"gold-KL frontier over β (mean ± 95% CI over {seeds} seeds)")
+    axes[2].set(xlabel="sqrt(KL(pi || pi_ref)) at the end  [sqrt nats]",
+                ylabel="score at the end (solid: hidden gold, dashed: proxy RM)",
+                title=f"reward-KL frontier over β (mean ± 95% CI over {seeds} seeds)")
     for axis in axes:
         axis.legend(fontsize=7)
     fig.tight_layout()

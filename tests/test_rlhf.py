@@ -30,6 +30,7 @@ from conftest import RLHF_TINY, ROOT
 import ppo_rlhf_toy as M  # the repo root is on sys.path (conftest.py)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import rlhf_estimators  # noqa: E402
 import rlhf_seeds  # noqa: E402
 
 
@@ -301,6 +302,23 @@ def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
     rlhf_seeds.plot_sweep([({0.0: history, 0.05: history}, bon) for history in histories], "seeds.png")
     M.plot_sweep({0.0: histories[0], 0.05: histories[1]}, bon, "one_run.png")
     assert (in_tmp / "seeds.png").stat().st_size > 10000 and (in_tmp / "one_run.png").stat().st_size > 10000
+
+
+def test_estimators_tool_intervals_and_paired_differences_on_fake_runs():
+    mean, half = rlhf_estimators.mean_and_interval([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(3.182 * math.sqrt(5 / 3) / 2)  # t(0.975, 3 dof) * std / sqrt(4)
+
+    def run(seed, estimator, gold):
+        final = {key: 0.0 for key in rlhf_estimators.FINAL_KEYS}
+        return {"seed": seed, "estimator": estimator, "beta": 0.05, "final": {**final, "gold/score": gold},
+                "compute": {"wall_s": 1.0, "cpu_s": 1.0, "tokens": {"policy forward": 10}}}
+
+    # PPO's gold is 1 and 2 in seeds 1 and 2; GRPO's 1.5 and 2.1: paired differences 0.5 and 0.1
+    runs = [run(1, "gae", 1.0), run(2, "gae", 2.0), run(2, "grpo", 2.1), run(1, "grpo", 1.5)]
+    table = rlhf_estimators.aggregate({"runs": runs})
+    difference = table["grpo 0.05"]["minus_ppo"]["gold/score"]
+    assert difference["mean"] == pytest.approx(0.3) and difference["ci95"] == pytest.approx(12.706 * 0.2)  # std 0.2 * sqrt(2)
+    assert table["gae 0.05"]["gold/score"]["mean"] == pytest.approx(1.5) and "minus_ppo" not in table["gae 0.05"]
 
 
 # ---------------------------------------------------------------- masks, EOS, the reward model and its data
