@@ -37,8 +37,10 @@ import ppo_rlhf_toy as toy  # noqa: E402  (tooling may import the script; the sc
 HISTORY_KEYS = ("gold/score", "proxy/score", "objective/kl", "objective/entropy", "gold/distinct_frac")
 FINAL_KEYS = ("gold/score", "proxy/score", "objective/kl", "gold/grammar_rate", "gold/repeat_rate",
               "gold/distinct_frac")
-NAMES = {"gae": "PPO (GAE, critic)", "grpo": "GRPO", "rloo": "RLOO"}
-COLORS = {"gae": "tab:blue", "grpo": "tab:orange", "rloo": "tab:green"}
+NAMES = {"gae": "PPO (GAE, critic)", "grpo": "GRPO", "rloo": "RLOO", "grpo-kl-reward": "GRPO, KL in the reward",
+         "rloo-kl-loss": "RLOO, KL in the loss", "gae-kl-loss": "PPO, KL in the loss"}
+COLORS = {"gae": "tab:blue", "grpo": "tab:orange", "rloo": "tab:green", "grpo-kl-reward": "tab:purple",
+          "rloo-kl-loss": "tab:olive", "gae-kl-loss": "tab:cyan"}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (seeds - 1)
 T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -95,6 +97,14 @@ def measured_run_ppo(args, **kwargs):
 
 
 # ---------------------------------------------------------------- the runs
+def label_of(toy_args, estimator):
+    """The name a run is stored under: the --advantage value, plus where the KL enters when --kl-penalty moves it
+    from that estimator's default (GRPO's paper: the loss; PPO's and RLOO's: the reward)."""
+    default = "loss" if estimator == "grpo" else "reward"
+    placement = toy_args.kl_penalty or default
+    return estimator if placement == default else f"{estimator}-kl-{placement}"
+
+
 def run_one(toy_args, seed, estimator, beta, checkpoints):
     """One toy run; the seed's first run trains and saves the SFT policy and RM, the others load them."""
     first = seed not in checkpoints
@@ -110,7 +120,7 @@ def run_one(toy_args, seed, estimator, beta, checkpoints):
         checkpoints[seed] = (os.path.join(run_dir, "sft.pt"), os.path.join(run_dir, "rm.pt"))
     final = {key: summary["ppo"][str(beta)][key] for key in FINAL_KEYS}
     history = [{key: record[key] for key in HISTORY_KEYS} for record in summary["histories"][beta]]
-    record = {"seed": seed, "estimator": estimator, "beta": beta, "final": final, "history": history,
+    record = {"seed": seed, "estimator": label_of(toy_args, estimator), "beta": beta, "final": final, "history": history,
               "compute": dict(LAST_STAGE), "run_wall_s": summary["wall_s"]}
     if first:
         record.update(rm=summary["rm"], sft={key: summary["sft"][key] for key in FINAL_KEYS}, bon=summary["bon"])
@@ -123,8 +133,11 @@ def main(args):
         for path in args.report:
             with open(path) as file:
                 parts.append(json.load(file))
+        runs = {}  # the first file's run of each (seed, estimator, beta): benchmarks run in parallel may overlap
+        for run in (run for part in parts for run in part["runs"]):
+            runs.setdefault((run["seed"], run["estimator"], run["beta"]), run)
         results = {"commands": [part["command"] for part in parts], "hardware": parts[0]["hardware"],
-                   "runs": [run for part in parts for run in part["runs"]]}
+                   "runs": list(runs.values())}
         report(results, args.plot)
         return results
     toy_args = toy.Args(**{field.name: getattr(args, field.name) for field in dataclasses.fields(toy.Args)})
@@ -138,14 +151,15 @@ def main(args):
             results = json.load(file)
     checkpoints = {int(seed): tuple(paths) for seed, paths in results["checkpoints"].items()}
     done = {(run["seed"], run["estimator"], run["beta"]) for run in results["runs"]}
+    labels = {estimator: label_of(toy_args, estimator) for estimator in args.estimators}
     toy.TinyTransformer.forward = counting_forward  # the toy itself is left as it was, below
     toy.run_ppo = measured_run_ppo
     start = time.time()
     try:
         for beta, seed, estimator in [(b, s, e) for b in args.betas for s in args.seeds for e in args.estimators]:
-            if (seed, estimator, beta) in done:
+            if (seed, labels[estimator], beta) in done:
                 continue
-            print(f"\n##### seed {seed}, {NAMES[estimator]}, beta {beta:g} ({time.time() - start:.0f} s)", flush=True)
+            print(f"\n##### seed {seed}, {NAMES[labels[estimator]]}, beta {beta:g} ({time.time() - start:.0f} s)", flush=True)
             results["runs"].append(run_one(toy_args, seed, estimator, beta, checkpoints))
             results["checkpoints"] = {str(seed): paths for seed, paths in checkpoints.items()}
             write_json(args.out, results)
@@ -191,6 +205,16 @@ def runs_of(results, estimator, beta):
                   key=lambda run: run["seed"])
 
 
+def first_runs(results):
+    """Each seed's first run, which holds its SFT evaluation, RM and best-of-n (one per seed: the SFT policy and the
+    RM of a seed are the same in every benchmark that trains them, on CPU)."""
+    firsts = {}
+    for run in results["runs"]:
+        if "bon" in run:
+            firsts.setdefault(run["seed"], run)
+    return list(firsts.values())
+
+
 def show(values, digits=3, sign="+"):
     mean, half = mean_and_interval(values)
     return f"{mean:{sign}.{digits}f} ± {half:.{digits}f}"
@@ -227,7 +251,7 @@ def aggregate(results):
 
 def report(results, plot_path=None):
     """Markdown tables of the final numbers, the differences to PPO and the compute; the figure with --plot."""
-    firsts = [run for run in results["runs"] if "bon" in run]
+    firsts = first_runs(results)
     seeds = sorted({run["seed"] for run in results["runs"]})
     print(f"\n{len(results['runs'])} runs, seeds {seeds}; mean ± 95% confidence interval (Student t) over seeds\n")
     print("| policy | β | seeds | gold (hidden) | proxy (RM) | KL to SFT (nats) | distinct |")
@@ -304,7 +328,7 @@ def plot(results, path):
         for beta, x, (gold, _) in zip(betas, sqrt_kl, final["gold/score"]):
             axes[2].annotate(f"β={beta:g}", (x, gold), fontsize=7, color=color, xytext=(4, -10),
                              textcoords="offset points")
-    firsts = [run for run in results["runs"] if "bon" in run]
+    firsts = first_runs(results)
     if firsts:
         bon = firsts[0]["bon"]
         mean, half = mean_and_interval([[row["gold/score"] for row in run["bon"]] for run in firsts])
