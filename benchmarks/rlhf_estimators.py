@@ -41,6 +41,7 @@ NAMES = {"gae": "PPO (GAE, critic)", "grpo": "GRPO", "rloo": "RLOO", "grpo-kl-re
          "rloo-kl-loss": "RLOO, KL in the loss", "gae-kl-loss": "PPO, KL in the loss"}
 COLORS = {"gae": "tab:blue", "grpo": "tab:orange", "rloo": "tab:green", "grpo-kl-reward": "tab:purple",
           "rloo-kl-loss": "tab:olive", "gae-kl-loss": "tab:cyan"}
+WINDOWS = ((1, 5), (6, 15), (16, 30), (31, 100))  # iterations (1-based, inclusive) of the over-training table
 # Two-sided 95% quantiles of Student's t by degrees of freedom (seeds - 1)
 T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -270,7 +271,7 @@ def report(results, plot_path=None):
                       f"{show(final['proxy/score'])} | {show(final['objective/kl'], 2, '')} | "
                       f"{show(final['gold/distinct_frac'], 2, '')} |")
     for index, row in enumerate(firsts[0]["bon"] if firsts else []):
-        print(f"| best-of-{row['n']} from SFT | | {len(firsts)} | {show([r['bon'][index]['gold/score'] for r in firsts])} "
+        print(f"| best-of-{row['n']} of SFT samples | | {len(firsts)} | {show([r['bon'][index]['gold/score'] for r in firsts])} "
               f"| {show([r['bon'][index]['proxy/score'] for r in firsts])} | ≤ {row['kl_bound']:.2f} | |")
     table = aggregate(results)
     print("\nminus PPO at the same β and seed (paired): a 95% interval that holds 0 means no difference detectable\n")
@@ -282,6 +283,7 @@ def report(results, plot_path=None):
             cells = " | ".join(f"{row['minus_ppo'][key]['mean']:+.3f} ± {row['minus_ppo'][key]['ci95']:.3f}"
                                for key in ("gold/score", "proxy/score", "objective/kl"))
             print(f"| {NAMES[estimator]} | {beta} | {len(row['seeds'])} | {cells} |")
+    over_training(results)
     print("\ncompute of the RL stage (means over runs of token positions, in millions; median seconds)\n")
     roles = ("policy", "reference", "reward model", "critic")
     print("| estimator | β | " + " | ".join(f"{role} fwd / bwd" for role in roles) + " | wall s | CPU s |")
@@ -295,6 +297,31 @@ def report(results, plot_path=None):
         plot(results, plot_path)
         print(f"plot: {plot_path}")
     return table
+
+
+def over_training(results):
+    """At the first beta: each estimator's mean gold and KL over windows of iterations (rollout-batch means), and its
+    gold minus PPO's over the same window and seed."""
+    beta = results["runs"][0]["beta"]
+    ppo = {run["seed"]: run for run in runs_of(results, "gae", beta)}
+
+    def window_mean(run, key, first, last):
+        return float(np.mean([record[key] for record in run["history"][first - 1:last]]))
+
+    print(f"\nover training, β = {beta:g}: rollout-batch means over each window of iterations\n")
+    print("| estimator | iterations | gold | minus PPO (paired) | KL |")
+    print("|---|---|---|---|---|")
+    for estimator in dict.fromkeys(run["estimator"] for run in results["runs"]):
+        runs = [run for run in runs_of(results, estimator, beta) if run["seed"] in ppo]
+        for first, last in WINDOWS:
+            if not runs or len(runs[0]["history"]) < first:
+                continue
+            gold = [window_mean(run, "gold/score", first, last) for run in runs]
+            minus = [g - window_mean(ppo[run["seed"]], "gold/score", first, last) for g, run in zip(gold, runs)]
+            kl = [window_mean(run, "objective/kl", first, last) for run in runs]
+            difference = "" if estimator == "gae" else show(minus)
+            print(f"| {NAMES[estimator]} | {first}–{min(last, len(runs[0]['history']))} | {show(gold)} | {difference} | "
+                  f"{show(kl, 2, '')} |")
 
 
 def plot(results, path):
