@@ -1,11 +1,11 @@
 """RLHF with PPO, end to end, on a toy language small enough to train in minutes on a CPU:
 SFT a tiny transformer on a synthetic sentiment corpus, label pairs of its samples with a hidden
-gold reward, fit a Bradley-Terry reward model, then PPO against it with a per-token KL leash to SFT.
+gold reward, fit a Bradley-Terry reward model, then PPO against it with a per-token KL leash to SFT
+(or, --advantage grpo / rloo, its critic-free successors GRPO (2402.03300) and RLOO (2402.14740)).
 Papers: InstructGPT (Ouyang et al. 2022, arXiv 2203.02155), Ziegler et al. 2019 (1909.08593),
 Stiennon et al. 2020, Gao et al. 2022 (2210.10760). OAI = OpenAI's lm-human-preferences code;
 N+ = Huang et al. 2024 (2403.17031). Run: `python ppo_rlhf_toy.py`; metrics: docs/rlhf.md.
-Read top to bottom; the appendix below `train` is plumbing.
-"""
+Read top to bottom; the appendix below `train` is plumbing."""
 import copy
 import functools
 import io
@@ -66,9 +66,22 @@ class Args:
     """passes over the training pairs (OAI/N+: 1 epoch of many more labels; our ~3k need more)"""
     rm_lr: float = 1e-3
     """RM Adam learning rate, linearly decayed to 0 (as OAI)"""
-    # PPO
+    # the RL stage: PPO, or a critic-free group baseline in the same loop
+    advantage: Literal["gae", "grpo", "rloo"] = "gae"
+    """the advantage estimator, all else of the loop the same. gae: PPO, a critic (from the RM) and GAE;
+    grpo: GRPO's group-normalised score (Shao et al. 2024), no critic; rloo: RLOO's leave-one-out
+    baseline (Ahmadian et al. 2024), no critic. So that only the advantage differs, both keep PPO's
+    clipped surrogate, epochs and minibatches (RLOO's paper takes one REINFORCE step per batch) and
+    its mean over all tokens of a minibatch (GRPO eq. 3 averages each response's tokens first)"""
+    group_size: int = 4
+    """k: responses sampled per prompt for grpo and rloo (their papers: G = 64, k = 2 or 4), the
+    batch still --rollout-batch-size responses; gae samples one per prompt draw"""
+    kl_penalty: Optional[Literal["reward", "loss"]] = None
+    """where the KL to pi_ref enters. reward: -beta * KL_t in each token's reward (InstructGPT Eq.
+    2, --kl-estimator); loss: + beta * k3 per token in the loss (GRPO eq. 3-4). Default: loss for
+    grpo, reward for gae and rloo, as their papers"""
     ppo_iterations: int = 100
-    """PPO iterations (rollout + update)"""
+    """RL iterations (rollout + update)"""
     rollout_batch_size: int = 128
     """sequences sampled per iteration"""
     num_minibatches: int = 4
@@ -530,7 +543,7 @@ def per_token_rewards(kl, scores, mask, beta):
     """InstructGPT Eq. 2 (without ptx) spread over tokens, as Ziegler et al.: r_t = -beta * KL_t on
     every response token, plus the score r_theta(x, y) on the last one (the EOS token, or the final
     token when there is none). Summed over tokens: r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x))
-    with k1. This penalty is the leash to pi_ref, the SFT model; PPO's clip (ppo_losses) is a
+    with k1. This penalty is the leash to pi_ref, the SFT model; PPO's clip (clipped_surrogate_loss) is a
     different leash, to pi_old."""
     rewards = -beta * kl * mask
     rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores
@@ -553,24 +566,68 @@ def gae(rewards, values, mask, gamma, lam):
     return advantages * mask, (advantages + values) * mask
 
 
-def ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, clip_coef, clip_coef_value):
-    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) and the clipped value loss of OAI / N+,
-    masked means over response tokens. The ratio is pi / pi_old, pi_old being the policy that
-    sampled this batch: the clip is a trust region for one iteration, while the KL penalty in the
-    rewards (per_token_rewards) holds pi near pi_ref = the SFT model for the whole run. Returns
-    (policy loss, value loss, diagnostics)."""
+def group_relative_advantages(scores, group_size, eps=1e-4):
+    """GRPO's advantage with outcome supervision (Shao et al. 2024, arXiv 2402.03300, Sec. 4.1.2, in
+    its eq. 3): A_i = (r_i - mean(r)) / std(r) over the group of k = group_size responses to one
+    prompt, the same for every token of response i. std: the sample std (ddof 1), plus eps = 1e-4,
+    as TRL; a group of equal scores gets 0. `scores` (B,): groups are k consecutive rows."""
+    groups = split_into_groups(scores, group_size)
+    advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)
+    return advantages.view(-1)
+
+
+def leave_one_out_advantages(scores, group_size):
+    """RLOO's advantage (Ahmadian et al. 2024, arXiv 2402.14740, after Kool et al. 2019): r_i minus
+    the mean score of the OTHER k - 1 responses to the same prompt, b_i = (sum_j r_j - r_i) / (k -
+    1). The baseline does not depend on response i, so the gradient estimate stays unbiased; it is
+    not divided by any std. `scores` (B,): groups are k consecutive rows."""
+    groups = split_into_groups(scores, group_size)
+    baselines = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - baselines).view(-1)
+
+
+def split_into_groups(scores, group_size):
+    """(B,) -> (B / k, k): row g holds the k responses to prompt g."""
+    if group_size < 2 or len(scores) % group_size:
+        raise ValueError(f"group_size {group_size}: a group baseline needs k >= 2 responses per prompt and "
+                         f"{len(scores)} scores in whole groups of k")
+    return scores.view(-1, group_size)
+
+
+def clipped_surrogate_loss(logp, old_logp, advantages, mask, clip_coef):
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7; GRPO eq. 3 keeps it), negated, a masked
+    mean over response tokens. The ratio is pi / pi_old, pi_old being the policy that sampled this
+    batch: the clip is a trust region for one iteration, while the KL penalty (--beta) holds pi near
+    pi_ref = the SFT model for the whole run. Returns (loss, diagnostics)."""
     log_ratio = (logp - old_logp) * mask
     ratio = log_ratio.exp()
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)
+    stats = {"ratio": masked_mean(ratio, mask), "approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
+             "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask)}
+    return masked_mean(torch.max(pg_unclipped, pg_clipped), mask), stats
+
+
+def clipped_value_loss(values, old_values, returns, mask, clip_coef_value):
+    """The critic's clipped value loss of OAI / N+, a masked mean over response tokens (PPO only).
+    Returns (loss, fraction of tokens where the clipped branch counts)."""
     values_clipped = old_values + (values - old_values).clamp(-clip_coef_value, clip_coef_value)
     vf_unclipped = (values - returns) ** 2
     vf_clipped = (values_clipped - returns) ** 2
-    stats = {"ratio": masked_mean(ratio, mask), "approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
-             "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
-             "vf_clipfrac": masked_mean((vf_clipped > vf_unclipped).float(), mask)}
-    policy_loss = masked_mean(torch.max(pg_unclipped, pg_clipped), mask)
-    return policy_loss, 0.5 * masked_mean(torch.max(vf_unclipped, vf_clipped), mask), stats
+    vf_clipfrac = masked_mean((vf_clipped > vf_unclipped).float(), mask)
+    return 0.5 * masked_mean(torch.max(vf_unclipped, vf_clipped), mask), vf_clipfrac
+
+
+def kl_in_loss(args):
+    """True when the KL to pi_ref is a loss term (GRPO eq. 3), False when it is a reward penalty."""
+    if args.kl_penalty is None:
+        return args.advantage == "grpo"  # each estimator's paper
+    return args.kl_penalty == "loss"
+
+
+def responses_per_prompt(args):
+    """k: GRPO and RLOO compare k responses to one prompt; PPO's critic needs no group."""
+    return 1 if args.advantage == "gae" else args.group_size
 
 
 def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
@@ -580,29 +637,42 @@ def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
 
 @torch.no_grad()
 def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args):
-    """Sample responses, score them, and turn the scores into per-token rewards and advantages."""
+    """Sample responses, score them, and turn the scores into per-token rewards and advantages: by
+    GAE with the critic (PPO), or by comparing each response with its group (GRPO, RLOO)."""
     responses = sample(policy, queries, args.max_response_len, args.temperature)[0]
     mask = response_mask(responses)
     # log-probs recomputed by a plain forward (as OAI); a test checks they equal the sampling ones
     logp = response_logprobs(policy, queries, responses, args.temperature)[0] * mask
     ref_logp = response_logprobs(ref_policy, queries, responses, args.temperature)[0] * mask
-    values = critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] * mask  # V(x, y_<t)
     scores = score_fn(queries, responses)
     kl = kl_estimate(logp, ref_logp, args.kl_estimator) * mask
-    rewards = per_token_rewards(kl, scores, mask, beta)
-    if args.whiten_rewards:
-        rewards = whiten(rewards, mask, shift_mean=False) * mask
-    advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
-    advantages = whiten(advantages, mask) * mask  # advantages are whitened with re-centring (OAI)
-    return dict(queries=queries, responses=responses, mask=mask, logp=logp, ref_logp=ref_logp, values=values,
-                scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns)
+    # With the KL in the loss (GRPO) the reward is the score alone
+    rewards = per_token_rewards(kl, scores, mask, 0.0 if kl_in_loss(args) else beta)
+    batch = dict(queries=queries, responses=responses, mask=mask, logp=logp, ref_logp=ref_logp, scores=scores,
+                 kl=kl, rewards=rewards)
+    if args.advantage == "gae":  # PPO: the critic's V(x, y_<t) and GAE over the per-token rewards
+        values = critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] * mask
+        if args.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False) * mask
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = whiten(advantages, mask) * mask  # advantages are whitened with re-centring (OAI)
+        batch.update(rewards=rewards, values=values, returns=returns)
+    else:  # GRPO, RLOO: a response's return (gamma = 1), compared with the others to its prompt
+        returns = rewards.sum(1)  # with the penalty in the reward: RLOO's R(x, y) = r - beta log(pi / pi_ref)
+        if args.advantage == "grpo":
+            advantages = group_relative_advantages(returns, args.group_size)
+        else:
+            advantages = leave_one_out_advantages(returns, args.group_size)
+        advantages = advantages[:, None] * mask  # the same advantage for every token of a response
+    return {**batch, "advantages": advantages}
 
 
-def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
+def ppo_update(policy, critic, optimizer, batch, args, beta, sample_corpus=None):
     """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics
-    dict each. With args.ptx_coef > 0 each minibatch loss adds gamma * lm_loss on
-    sample_corpus(count) corpus sentences: PPO-ptx, the last term of InstructGPT Eq. 2 (gamma
-    E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
+    dict each. The loss: the clipped surrogate, plus vf_coef * the value loss when there is a critic
+    (PPO), plus beta * k3 when the KL is in the loss (GRPO). With args.ptx_coef > 0 each minibatch
+    loss adds gamma * lm_loss on sample_corpus(count) corpus sentences: PPO-ptx, the last term of
+    InstructGPT Eq. 2 (gamma E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
     n_sequences = len(batch["queries"])
     stats = []
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -610,13 +680,23 @@ def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
         order = torch.randperm(n_sequences, device=batch["queries"].device)
         for idx in order.split(n_sequences // args.num_minibatches):
             minibatch = {key: value[idx] for key, value in batch.items()}
+            mask = minibatch["mask"]
             logp, all_logp = response_logprobs(policy, minibatch["queries"], minibatch["responses"], args.temperature)
-            values = critic(torch.cat([minibatch["queries"], minibatch["responses"]], 1))
-            values = values[:, minibatch["queries"].shape[1] - 1: -1]
-            pg_loss, vf_loss, minibatch_stats = ppo_losses(
-                logp * minibatch["mask"], minibatch["logp"], minibatch["advantages"], values, minibatch["values"],
-                minibatch["returns"], minibatch["mask"], args.clip_coef, args.clip_coef_value)
-            loss = pg_loss + args.vf_coef * vf_loss
+            logp = logp * mask
+            pg_loss, minibatch_stats = clipped_surrogate_loss(logp, minibatch["logp"], minibatch["advantages"], mask,
+                                                              args.clip_coef)
+            loss = pg_loss
+            if critic is not None:  # PPO's second network; GRPO and RLOO have none
+                values = critic(torch.cat([minibatch["queries"], minibatch["responses"]], 1))
+                values = values[:, minibatch["queries"].shape[1] - 1: -1]
+                vf_loss, vf_clipfrac = clipped_value_loss(values, minibatch["values"], minibatch["returns"], mask,
+                                                          args.clip_coef_value)
+                loss = loss + args.vf_coef * vf_loss
+                minibatch_stats.update(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+            if kl_in_loss(args):  # GRPO eq. 3: - beta D_KL(pi || pi_ref), with eq. 4's k3 per token
+                kl_loss = masked_mean(kl_estimate(logp, minibatch["ref_logp"], "k3"), mask)
+                loss = loss + beta * kl_loss
+                minibatch_stats["kl_loss"] = kl_loss
             if args.ptx_coef > 0:
                 ptx_loss = lm_loss(policy, sample_corpus(PTX_SENTENCES_PER_EPISODE * len(idx)))
                 loss = loss + args.ptx_coef * ptx_loss
@@ -625,8 +705,8 @@ def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
             loss.backward()
             nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
-            entropy = masked_mean(-(all_logp.exp() * all_logp).sum(-1), minibatch["mask"])
-            minibatch_stats.update(pg_loss=pg_loss, vf_loss=vf_loss, entropy=entropy)
+            entropy = masked_mean(-(all_logp.exp() * all_logp).sum(-1), mask)
+            minibatch_stats.update(pg_loss=pg_loss, entropy=entropy)
             stats.append({key: value.item() for key, value in minibatch_stats.items()})
     return stats
 
@@ -634,23 +714,27 @@ def ppo_update(policy, critic, optimizer, batch, args, sample_corpus=None):
 def run_ppo(args, *, beta, policy, ref_policy, critic, score_fn, sample_prompts, rollout_metrics=None,
             log=None, sample_corpus=None):
     """PPO against score_fn(queries, responses) with a KL leash to ref_policy, from the prompts of
-    sample_prompts(count). Generic over the models (token ids -> logits or values) and the reward:
-    the tests run it on an enumerable task. rollout_metrics(batch, iteration) adds a task's own
+    sample_prompts(count); critic None with --advantage grpo or rloo. Generic over the models (token
+    ids -> logits or values) and the reward: the tests run it on an enumerable task. rollout_metrics(batch, iteration) adds a task's own
     numbers to each record; sample_corpus(count) gives PPO-ptx's corpus rows. Returns one metrics
     dict per iteration; after a first Ctrl-C / SIGTERM, stops after the iteration at hand."""
     # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far
     # larger in the first steps, so PyTorch's early updates are bigger (~6x approxkl in
     # lm-human-preference-details).
-    optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=args.ppo_lr, eps=1e-5)
+    networks = [policy] if critic is None else [policy, critic]  # GRPO and RLOO train no critic
+    optimizer = torch.optim.Adam([param for network in networks for param in network.parameters()], lr=args.ppo_lr,
+                                 eps=1e-5)
     history = []
     start = time.time()
     kl_coef = beta  # the beta of this iteration: --adaptive-kl moves it
     for iteration in range(1, args.ppo_iterations + 1):
         lr = args.ppo_lr * (1 - (iteration - 1) / args.ppo_iterations)  # linear decay to 0 (as OAI)
         optimizer.param_groups[0]["lr"] = lr
-        queries = sample_prompts(args.rollout_batch_size)
+        # k responses to each prompt (GRPO, RLOO; k = 1 for PPO): the same --rollout-batch-size responses
+        group_size = responses_per_prompt(args)
+        queries = sample_prompts(args.rollout_batch_size // group_size).repeat_interleave(group_size, 0)
         batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, kl_coef, args)
-        stats = ppo_update(policy, critic, optimizer, batch, args, sample_corpus)
+        stats = ppo_update(policy, critic, optimizer, batch, args, kl_coef, sample_corpus)
         episodes = iteration * args.rollout_batch_size
         record = ppo_record(batch, stats, beta=kl_coef, episodes=episodes, lr=lr,
                             episodes_per_second=episodes / (time.time() - start))
@@ -748,15 +832,17 @@ def train(args: Args):
         rm.requires_grad_(False)
         score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
 
-        # 5. PPO, once or once per beta of the sweep (the same SFT policy and RM), each followed by
-        # 6. its evaluation on fresh samples, against the hidden gold reward.
+        # 5. RL: PPO with its critic and GAE, or GRPO / RLOO with a group baseline and no critic
+        # (--advantage), once or once per beta of the sweep (the same SFT policy and RM), each
+        # followed by 6. its evaluation on fresh samples, against the hidden gold reward.
         sft_eval = evaluate(args, sft, ref_policy, score_fn, device)
         histories = {}
         finals = {}
         for beta in args.sweep_betas if args.sweep else (args.beta,):
             torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
             policy = copy.deepcopy(sft).requires_grad_(True)
-            critic = critic_from_reward_model(rm, rm_info)
+            critic = critic_from_reward_model(rm, rm_info) if args.advantage == "gae" else None
+            critic_state = None if critic is None else critic.state_dict()
             beta_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}" if args.sweep else "")
             name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
             try:
@@ -765,9 +851,9 @@ def train(args: Args):
                     sample_prompts=functools.partial(random_prompts, device=device), rollout_metrics=rollout_stats,
                     log=beta_log, sample_corpus=functools.partial(random_rows, corpus_tokens))
             except Stopped as stopped:  # every PPO iterate is a usable policy: keep this one too
-                run.save(name, policy, critic=critic.state_dict(), ppo_iterations_done=stopped.done)
+                run.save(name, policy, critic=critic_state, ppo_iterations_done=stopped.done)
                 raise
-            run.save(name, policy, critic=critic.state_dict(), ppo_iterations_done=len(histories[beta]))
+            run.save(name, policy, critic=critic_state, ppo_iterations_done=len(histories[beta]))
             finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
             episodes = len(histories[beta]) * args.rollout_batch_size
             beta_log({"stage": "eval", "beta": beta, "episode": episodes, **finals[beta]})
@@ -873,10 +959,13 @@ class StopOnSignal:
 
 
 # ---------------------------------------------------------------- console lines and summaries
+RL_NAME = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO"}  # the RL stage's name in lines, by --advantage
+
+
 def ppo_log_line(record, iteration, args, start):
-    """The console line of a PPO iteration, with the time left at this iteration's pace."""
+    """The console line of an RL iteration, with the time left at this iteration's pace."""
     eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
-    return (f"ppo beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
+    return (f"{RL_NAME[args.advantage].lower()} beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
             f"{record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | proxy "
             f"{record['objective/scores']:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
             f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
@@ -896,10 +985,10 @@ def log_summary(args, log, start, rm_info, sft_eval, finals, bon):
         match = min(bon, key=lambda row: abs(row["kl_bound"] - evaluation["objective/kl"]))  # closest KL bound
         adaptive = " (adaptive)" if args.adaptive_kl else ""
         largest = ", the largest n" if match is bon[-1] else ""
-        print(summary_line(f"PPO beta={beta:g}{adaptive}", evaluation))
+        print(summary_line(f"{RL_NAME[args.advantage]} beta={beta:g}{adaptive}", evaluation))
         print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}{largest}): "
               f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
-    summary = {"stage": "summary", "rm": rm_info, "sft": sft_eval,
+    summary = {"stage": "summary", "advantage": args.advantage, "rm": rm_info, "sft": sft_eval,
                "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
                "wall_s": time.time() - start}
     log(summary)
@@ -938,9 +1027,14 @@ FLAG_RANGES = [
     (("max_grad_norm",), lambda value: value > 0, "> 0 (inf: no clipping)"),
     (("missing_eos_penalty",), math.isfinite, "finite"),
     (("bon_pool",), lambda value: value >= 2, ">= 2"),
+    (("group_size",), lambda value: value >= 2, ">= 2 (k = 1 leaves a response no group to be compared with)"),
     (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
      "one or more values, each finite and >= 0"),
 ]
+
+
+# The flags of PPO's critic and GAE: refused with --advantage grpo or rloo unless left at their defaults.
+GAE_ONLY_FLAGS = ("vf_coef", "clip_coef_value", "gamma", "lam", "whiten_rewards")
 
 
 def validate_args(args):
@@ -953,6 +1047,17 @@ def validate_args(args):
     if args.rollout_batch_size % args.num_minibatches or args.rollout_batch_size // args.num_minibatches < 8:
         raise SystemExit(f"error: --num-minibatches {args.num_minibatches} must split --rollout-batch-size "
                          f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening needs them)")
+    if args.rollout_batch_size % responses_per_prompt(args):
+        raise SystemExit(f"error: --group-size {args.group_size} must divide --rollout-batch-size "
+                         f"{args.rollout_batch_size} (whole groups of k responses per prompt)")
+    for name in GAE_ONLY_FLAGS if args.advantage != "gae" else ("group_size",):
+        if getattr(args, name) != getattr(Args, name):
+            uses = "--advantage gae (PPO's critic and GAE)" if name in GAE_ONLY_FLAGS else "--advantage grpo and rloo"
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} applies to {uses} only, not to "
+                             f"--advantage {args.advantage}")
+    if kl_in_loss(args) and args.kl_estimator != "k1":
+        raise SystemExit(f"error: --kl-estimator {args.kl_estimator} sets the KL penalty in the reward; with the KL in "
+                         "the loss (--kl-penalty loss, GRPO's default) the loss term is always k3 (GRPO eq. 4)")
     if args.d_model % args.n_heads:
         raise SystemExit(f"error: --n-heads {args.n_heads} must divide --d-model {args.d_model}")
     if args.load_rm is not None and args.load_sft is None:
@@ -1098,9 +1203,9 @@ def per_sequence(per_token, mask):
 
 
 def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
-    """One PPO iteration's metrics.jsonl record, under TRL's names (docs/rlhf.md says what each
+    """One RL iteration's metrics.jsonl record, under TRL's names (docs/rlhf.md says what each
     means): the rollout's objective (KL, entropy, score, Eq. 2's reward), the update's means over
-    minibatches, and the critic's fit."""
+    minibatches, and the critic's fit (PPO only)."""
     mask = batch["mask"]
     mean = {key: float(np.mean([minibatch[key] for minibatch in stats])) for key in stats[0]}
     score = float(batch["scores"].mean())
@@ -1113,16 +1218,19 @@ def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
         "objective/scores": score, "objective/non_score_reward": -beta * penalty_kl,
         "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
         "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
-        "loss/policy_avg": mean["pg_loss"], "loss/value_avg": mean["vf_loss"]}
-    if "ptx_loss" in mean:
-        record["loss/ptx_avg"] = mean["ptx_loss"]
+        "loss/policy_avg": mean["pg_loss"]}
+    for key, name in (("vf_loss", "loss/value_avg"), ("kl_loss", "loss/kl_avg"), ("ptx_loss", "loss/ptx_avg")):
+        if key in mean:  # the value loss: PPO only; the KL loss: with --kl-penalty loss; ptx: with --ptx-coef
+            record[name] = mean[key]
     record.update({
-        "val/clipfrac_avg": mean["vf_clipfrac"], "val/ratio": mean["ratio"],
-        "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
-        "val/var_explained": explained_variance(batch["values"], batch["returns"], mask),
-        "val/num_eos_tokens": int((batch["responses"] == EOS).sum()),
-        "ppo/returns/mean": float(masked_mean(batch["returns"], mask)),
-        "ppo/returns/var": float(masked_var(batch["returns"], mask))})
+        "val/ratio": mean["ratio"], "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
+        "val/num_eos_tokens": int((batch["responses"] == EOS).sum())})
+    if "values" in batch:  # the critic's fit (PPO)
+        record.update({
+            "val/clipfrac_avg": mean["vf_clipfrac"],
+            "val/var_explained": explained_variance(batch["values"], batch["returns"], mask),
+            "ppo/returns/mean": float(masked_mean(batch["returns"], mask)),
+            "ppo/returns/var": float(masked_var(batch["returns"], mask))})
     return record
 
 

@@ -4,7 +4,8 @@ without unknown-marker warnings."""
 MARKERS = {"gae": "exercise gae (compute_gae)", "ppo_loss": "exercise ppo_loss (policy_loss, value_loss)",
            "ppg_aux": "exercise ppg_aux (ppg_aux_loss, auxiliary_phase)",
            "vtrace": "exercise vtrace (from_importance_weights)",
-           "rlhf": "exercise rlhf (per_token_rewards, bradley_terry_loss)"}
+           "rlhf": "exercise rlhf (per_token_rewards, bradley_terry_loss)",
+           "grpo_rloo": "exercise grpo_rloo (group_relative_advantages, leave_one_out_advantages)"}
 
 
 def pytest_addoption(parser):

@@ -2,7 +2,7 @@
 
   python exercises/grade.py EXERCISE [FILE ...] [--no-train] [-v] [--json OUT]
 
-EXERCISE is one of gae, ppo_loss, ppg_aux, vtrace, rlhf; FILE is the student's copy of the script (made by
+EXERCISE is one of gae, ppo_loss, ppg_aux, vtrace, rlhf, grpo_rloo; FILE is the student's copy of the script (made by
 exercises/make_starter.py, the blank filled in; several files: each is graded, and copies of one function must
 agree), by default the script of that name next to exercises/. The cases are data (exercises/cases/*.json: inputs,
 expected outputs and gradients, the answers of typical mistakes with their hints): no solution ships. Every case is
@@ -88,11 +88,15 @@ def make_args(module, overrides):
     return module.Args(**{key: value for key, value in overrides.items() if key in fields})
 
 
-def train_and_judge(module, report):
+# An exercise whose functions only a flag's path calls trains on that path (GRPO: the first of its two functions).
+EXERCISE_FLAGS = {"grpo_rloo": {"advantage": "grpo"}}
+
+
+def train_and_judge(module, report, flags=None):
     """Train the student's script on the cue task (or the RLHF toy at tiny flags) and print its learning curve;
     True when it meets the old bar. Raises Failed only when training cannot run (an error, another blank)."""
     kind = kind_of(module)
-    args = make_args(module, TRAINING[kind])
+    args = make_args(module, {**TRAINING[kind], **(flags or {})})
     if kind != "rlhf":
         patch_cue_env(module)
     workdir = tempfile.mkdtemp(prefix="grade_")
@@ -143,10 +147,11 @@ def judge_rlhf(summary, seconds, report):
     report(f"    reward model (Bradley-Terry): held-out accuracy {rm['rm/heldout_acc']:.3f} against the labels, "
            f"{rm['rm/heldout_acc_gold']:.3f} against the gold order (chance 0.5)")
     if history:
-        report(f"    PPO's gold score per iteration: start {np.mean(history[:2]):+.3f} -> "
+        report(f"    the RL stage's gold score per iteration: start {np.mean(history[:2]):+.3f} -> "
                f"end {np.mean(history[-2:]):+.3f}")
-    report(f"    gold score SFT {sft['gold/score']:+.3f} -> PPO {ppo['gold/score']:+.3f}; proxy (RM) score SFT "
-           f"{sft['proxy/score']:+.3f} -> PPO {ppo['proxy/score']:+.3f}; KL to SFT {ppo['objective/kl']:.2f}")
+    trained = {"grpo": "GRPO", "rloo": "RLOO"}.get(summary.get("advantage"), "PPO")
+    report(f"    gold score SFT {sft['gold/score']:+.3f} -> {trained} {ppo['gold/score']:+.3f}; proxy (RM) score SFT "
+           f"{sft['proxy/score']:+.3f} -> {trained} {ppo['proxy/score']:+.3f}; KL to SFT {ppo['objective/kl']:.2f}")
     learned = (rm["rm/heldout_acc"] > 0.6 and ppo["gold/score"] > sft["gold/score"] + 0.5
                and ppo["proxy/score"] > sft["proxy/score"] + 0.5)
     report(f"    {'it learns' if learned else 'it did not learn'} by the old bar (held-out accuracy above 0.6, "
@@ -186,7 +191,7 @@ def grade(exercise, paths=None, train=True, out=print, verbose=False, json_path=
     if train and passed and training_file is not None:
         out(f"(b) training {training_file} with them (informational: no points, it does not grade)")
         try:
-            train_and_judge(modules[training_file], out)
+            train_and_judge(modules[training_file], out, EXERCISE_FLAGS.get(exercise))
         except Failed as failure:
             out("  " + str(failure))
         except Exception as error:  # the curve is informational: a script whose logs changed still gets its grade

@@ -57,6 +57,8 @@ REFERENCES = {
     "from_importance_weights": (ref.from_importance_weights, ref.VTRACE_MUTANTS),
     "per_token_rewards": (ref.per_token_rewards, ref.PER_TOKEN_REWARD_MUTANTS),
     "bradley_terry_loss": (ref.bradley_terry_loss, ref.BT_MUTANTS),
+    "group_relative_advantages": (ref.group_relative_advantages, ref.GRPO_MUTANTS),
+    "leave_one_out_advantages": (ref.leave_one_out_advantages, ref.RLOO_MUTANTS),
 }
 
 
@@ -287,6 +289,25 @@ def bradley_terry_cases():
     ]
 
 
+def group_baseline_cases(function):
+    """The public cases of GRPO's and RLOO's advantages: the same scores for both (GRPO's take eps too)."""
+    rng = np.random.default_rng(7)
+    cases = [
+        ("two groups of k = 4", np.array([1.0, 0.0, 2.0, -1.0, 0.5, 0.5, 3.0, -2.0]), 4),
+        ("k = 2: each pair", np.array([1.0, 3.0, -2.0, -2.5, 0.0, 4.0]), 2),
+        ("a group of equal scores (every response scored the same): advantages 0",
+         np.array([0.7, 0.7, 0.7, 1.0, -1.0, 2.0]), 3),
+        ("one group of k = 8, scores with a common offset of 100", (100 + rng.normal(size=8)).round(3), 8),
+        ("random, 6 groups of k = 5", (2 * rng.normal(size=30)).round(3), 5),
+    ]
+    extra = {"eps": 1e-4} if function == "group_relative_advantages" else {}
+    built = [make_case(function, name, dict(scores=scores, group_size=k, **extra)) for name, scores, k in cases]
+    if extra:  # an eps other than the default: it must be the argument that counts
+        built.append(make_case(function, "eps = 0.5 (an argument, not a constant)",
+                               dict(scores=np.array([0.0, 0.2, 1.0, 3.0]), group_size=2, eps=0.5)))
+    return built
+
+
 # ---------------------------------------------------------------- hidden cases: random, from a seed
 def hidden_gae(rng, number):
     T, N = int(rng.integers(1, 8)), int(rng.integers(1, 4))
@@ -361,6 +382,16 @@ def hidden_bradley_terry(rng, number):
     return make_case("bradley_terry_loss", f"hidden {number}", dict(
         r_chosen=(scale * rng.normal(size=P)).round(3), r_rejected=(scale * rng.normal(size=P)).round(3)),
         ("r_chosen", "r_rejected") if scale < 100 else (), hidden=True)
+
+
+def hidden_group_baseline(function, rng, number):
+    k = int(rng.choice([2, 3, 4, 6]))
+    groups = int(rng.integers(1, 5))
+    scores = (float(rng.choice([0.3, 1.0, 5.0])) * rng.normal(size=groups * k)).round(3)
+    if number == 0:
+        scores[:k] = scores[0]  # a group of equal scores
+    extra = {"eps": float(rng.choice([1e-4, 1e-3, 0.1]))} if function == "group_relative_advantages" else {}
+    return make_case(function, f"hidden {number}", dict(scores=scores, group_size=k, **extra), hidden=True)
 
 
 # ---------------------------------------------------------------- PPG's auxiliary phase: a procedure
@@ -521,10 +552,16 @@ def phase_cases(seed=None):
 PUBLIC = {"compute_gae": gae_cases, "policy_loss": policy_loss_cases, "value_loss": value_loss_cases,
           "ppg_aux_loss": ppg_aux_loss_cases, "auxiliary_phase": phase_cases,
           "from_importance_weights": vtrace_cases, "per_token_rewards": per_token_rewards_cases,
-          "bradley_terry_loss": bradley_terry_cases}
+          "bradley_terry_loss": bradley_terry_cases,
+          "group_relative_advantages": lambda: group_baseline_cases("group_relative_advantages"),
+          "leave_one_out_advantages": lambda: group_baseline_cases("leave_one_out_advantages")}
 HIDDEN = {"compute_gae": hidden_gae, "policy_loss": hidden_policy_loss, "value_loss": hidden_value_loss,
           "ppg_aux_loss": hidden_ppg_aux_loss, "from_importance_weights": hidden_vtrace,
-          "per_token_rewards": hidden_per_token_rewards, "bradley_terry_loss": hidden_bradley_terry}
+          "per_token_rewards": hidden_per_token_rewards, "bradley_terry_loss": hidden_bradley_terry,
+          "group_relative_advantages": lambda rng, number: hidden_group_baseline("group_relative_advantages", rng,
+                                                                                 number),
+          "leave_one_out_advantages": lambda rng, number: hidden_group_baseline("leave_one_out_advantages", rng,
+                                                                                number)}
 
 
 def hidden_cases(function, seed):

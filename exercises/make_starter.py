@@ -1,6 +1,6 @@
 """Write starter code: copies of the scripts with the chosen exercises' functions blanked.
 
-  python exercises/make_starter.py --exercises gae,ppo_loss,ppg_aux,vtrace,rlhf --out DIR
+  python exercises/make_starter.py --exercises gae,ppo_loss,ppg_aux,vtrace,rlhf,grpo_rloo --out DIR
 
 Each chosen function keeps its signature, decorators and docstring; its body becomes a stub that raises
 NotImplementedError with the exercise's text (exercises/texts.py). A function that several scripts share

@@ -495,3 +495,87 @@ BT_MUTANTS = [
      "log(sigmoid(d)) underflows to log(0) = -inf for large negative margins: use F.logsigmoid(d) "
      "(or -F.softplus(-d))."),
 ]
+
+
+# ---------------------------------------------------------------- 6. GRPO's and RLOO's group baselines
+def _groups(scores, group_size, layout="consecutive"):
+    """The groups as lists of indices into scores: k consecutive rows each (the script's layout), or, for the
+    mistake, every (B / k)-th row."""
+    count = len(scores) // group_size
+    if layout == "consecutive":
+        return [list(range(g * group_size, (g + 1) * group_size)) for g in range(count)]
+    return [list(range(g, len(scores), count)) for g in range(count)]
+
+
+def group_relative_advantages(scores, group_size, eps):
+    """GRPO: A_i = (r_i - mean of its group) / (sample std of its group + eps), groups of k consecutive scores."""
+    return _grpo_variant(scores, group_size, eps)
+
+
+def _grpo_variant(scores, group_size, eps, ddof=1, use_eps=True, eps_inside=False, scale=True, layout="consecutive",
+                  whole_batch=False):
+    advantages = np.zeros(len(scores))
+    groups = [list(range(len(scores)))] if whole_batch else _groups(scores, group_size, layout)
+    for group in groups:
+        values = [float(scores[i]) for i in group]
+        mean = sum(values) / len(values)
+        variance = sum((v - mean) ** 2 for v in values) / (len(values) - ddof)
+        if eps_inside:
+            denominator = math.sqrt(variance + eps)
+        else:
+            denominator = math.sqrt(variance) + (eps if use_eps else 0.0)
+        for i, value in zip(group, values):
+            with np.errstate(all="ignore"):
+                advantages[i] = (value - mean) / np.float64(denominator) if scale else value - mean
+    return [advantages]
+
+
+def leave_one_out_advantages(scores, group_size):
+    """RLOO: A_i = r_i - (the mean of the other k - 1 scores of its group), by a double loop."""
+    return _rloo_variant(scores, group_size)
+
+
+def _rloo_variant(scores, group_size, include_self=False, divide_by_k=False, layout="consecutive",
+                  whole_batch=False, sign=1.0):
+    advantages = np.zeros(len(scores))
+    groups = [list(range(len(scores)))] if whole_batch else _groups(scores, group_size, layout)
+    for group in groups:
+        for i in group:
+            others = [float(scores[j]) for j in group if include_self or j != i]
+            count = len(group) if divide_by_k else len(others)
+            advantages[i] = sign * (float(scores[i]) - sum(others) / count)
+    return [advantages]
+
+
+GRPO_MUTANTS = [
+    ("the population std (ddof 0)", _variant(_grpo_variant, ddof=0),
+     "the std here is the sample std of the group, sqrt(sum (r_j - mean)^2 / (k - 1)) (torch's default .std(), as "
+     "TRL), not the population std that divides by k."),
+    ("no eps in the denominator", _variant(_grpo_variant, use_eps=False),
+     "divide by std + eps: a group whose k scores are equal has std 0, and its advantages must be 0, not NaN."),
+    ("eps inside the square root", _variant(_grpo_variant, eps_inside=True),
+     "eps is added to the std, (r_i - mean) / (std + eps), not to the variance under the square root."),
+    ("not divided by the std", _variant(_grpo_variant, scale=False),
+     "GRPO divides by the group's std too: (r_i - mean) / (std + eps). Subtracting the mean alone is another "
+     "estimator."),
+    ("groups strided, not consecutive", _variant(_grpo_variant, layout="strided"),
+     "a group is k CONSECUTIVE scores (the k responses to one prompt follow each other: repeat_interleave), so "
+     "scores.view(-1, k) holds one group per row; not every (B / k)-th score."),
+    ("mean and std over the whole batch", _variant(_grpo_variant, whole_batch=True),
+     "the mean and std are those of each GROUP of k responses to one prompt, not of the whole batch."),
+]
+RLOO_MUTANTS = [
+    ("the baseline includes the response itself", _variant(_rloo_variant, include_self=True),
+     "leave one out: the baseline of response i is the mean of the OTHER k - 1 scores of its group; the group mean "
+     "includes r_i (and is a biased baseline)."),
+    ("divided by k, not k - 1", _variant(_rloo_variant, divide_by_k=True),
+     "the other responses are k - 1: b_i = (sum_j r_j - r_i) / (k - 1)."),
+    ("groups strided, not consecutive", _variant(_rloo_variant, layout="strided"),
+     "a group is k CONSECUTIVE scores (the k responses to one prompt follow each other: repeat_interleave), so "
+     "scores.view(-1, k) holds one group per row; not every (B / k)-th score."),
+    ("the baseline over the whole batch", _variant(_rloo_variant, whole_batch=True),
+     "the baseline is the mean of the other responses to the SAME prompt (its group of k), not of the whole "
+     "batch."),
+    ("the sign flipped", _variant(_rloo_variant, sign=-1.0),
+     "the advantage is r_i - b_i: above the others' mean is good."),
+]

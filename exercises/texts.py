@@ -1,4 +1,4 @@
-"""The five exercises: which functions of which script each one blanks, and the text a student reads in the stub
+"""The six exercises: which functions of which script each one blanks, and the text a student reads in the stub
 (the same text the grader prints when it meets the stub). The solutions are the scripts themselves."""
 
 EXERCISES = {
@@ -23,6 +23,11 @@ EXERCISES = {
         script="ppo_rlhf_toy.py", functions=("per_token_rewards", "bradley_terry_loss"),
         equation="InstructGPT (Ouyang et al. 2022, arXiv 2203.02155) Eqs. 1-2, spread over tokens as Ziegler et al. "
                  "2019 (arXiv 1909.08593)"),
+    "grpo_rloo": dict(
+        title="GRPO and RLOO: the critic-free group baselines",
+        script="ppo_rlhf_toy.py", functions=("group_relative_advantages", "leave_one_out_advantages"),
+        equation="GRPO (Shao et al. 2024, arXiv 2402.03300) Sec. 4.1.2 and Eq. 3; RLOO (Ahmadian et al. 2024, "
+                 "arXiv 2402.14740)"),
 }
 
 # Which exercise a function belongs to (the stubs and the graders use it).
@@ -188,4 +193,37 @@ Keep it finite for margins of hundreds: use a numerically stable log-sigmoid.
 Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
 
 Grade it:  python exercises/grade.py rlhf <this script>""",
+
+    "group_relative_advantages": """Exercise grpo_rloo (1 of 2): GRPO's group-relative advantage
+(GRPO paper, Sec. 4.1.2, used in its Eq. 3).
+
+Inputs:
+  scores      [B] torch tensor: one return per response (the reward model's score, minus
+              the KL penalty when it is in the reward)
+  group_size  int k >= 2: the responses come in groups of k CONSECUTIVE rows, the k
+              responses to one prompt (B is a multiple of k)
+  eps         float, added to the std
+Output: advantages [B]:
+  A_i = (r_i - mean(group)) / (std(group) + eps)
+over the group of response i, where std is the SAMPLE standard deviation (divide by
+k - 1; torch's default .std()). A group of equal scores gets advantages 0.
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
+
+Grade it:  python exercises/grade.py grpo_rloo <this script>""",
+
+    "leave_one_out_advantages": """Exercise grpo_rloo (2 of 2): RLOO's leave-one-out baseline
+(Ahmadian et al. 2024, after Kool et al. 2019).
+
+Inputs:
+  scores      [B] torch tensor: one return per response
+  group_size  int k >= 2: groups of k CONSECUTIVE rows, the k responses to one prompt
+Output: advantages [B]:
+  A_i = r_i - b_i,   b_i = the mean score of the OTHER k - 1 responses of its group
+The baseline b_i does not depend on response i, so the gradient estimate stays
+unbiased. No division by a std.
+
+Contract: outputs in the inputs' dtype and on their device; never modify an input in place.
+
+Grade it:  python exercises/grade.py grpo_rloo <this script>""",
 }

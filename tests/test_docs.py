@@ -35,6 +35,7 @@ TYRO_SCRIPTS = {  # script -> (module, dataclass): parsed in-process with tyro.c
     "vtrace.py": ("vtrace", "Args"),
     "ppo_rlhf_toy.py": ("ppo_rlhf_toy", "Args"), "benchmarks/results.py": ("benchmarks/results.py", "Args"),
     "benchmarks/rlhf_seeds.py": ("benchmarks/rlhf_seeds.py", "SeedsArgs"),
+    "benchmarks/rlhf_estimators.py": ("benchmarks/rlhf_estimators.py", "EstimatorArgs"),
 }
 PROCGEN_SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py")
 # Flags of other programs that the pages name: torchrun, SLURM, pip, pytest's options added in exercises/, and

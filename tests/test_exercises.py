@@ -242,6 +242,7 @@ MESSAGE = {  # mistakes told by the message, not by a hint
     "lambda_ only a float": "lambda_ may be a per-step tensor",
     "no trailing dimensions": "the inputs may have trailing dims",
     "policy: float64 input, float32 output": "float64 inputs gave output in torch.float32",
+    "the scores overwritten in place": "the input(s) scores were modified in place",
 }
 
 
@@ -320,6 +321,53 @@ RLHF_MUTANTS = {
 }
 
 
+# ---------------------------------------------------------------- 6. GRPO and RLOO
+GRPO = '''
+def group_relative_advantages(scores, group_size, eps=1e-4):
+    groups = scores.view(-1, group_size)
+    mean = groups.mean(1, keepdim=True)
+    std = groups.std(1, keepdim=True)
+    return ((groups - mean) / (std + eps)).view(-1)
+'''
+RLOO = '''
+def leave_one_out_advantages(scores, group_size):
+    groups = scores.view(-1, group_size)
+    baseline = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - baseline).view(-1)
+'''
+STRIDED = [("groups = scores.view(-1, group_size)", "groups = scores.view(group_size, -1).T"),
+           (").view(-1)", ").T.reshape(-1)")]
+GROUP_MUTANTS = {  # (which source, replacements)
+    "the population std (ddof 0)": ("grpo", [("groups.std(1, keepdim=True)", "groups.std(1, keepdim=True, unbiased=False)")]),
+    "no eps in the denominator": ("grpo", [("(std + eps)", "std")]),
+    "eps inside the square root": ("grpo", [("(std + eps)", "(groups.var(1, keepdim=True) + eps).sqrt()")]),
+    "not divided by the std": ("grpo", [("((groups - mean) / (std + eps))", "(groups - mean)")]),
+    "grpo: groups strided, not consecutive": ("grpo", STRIDED),
+    "mean and std over the whole batch": ("grpo", [("groups = scores.view(-1, group_size)", "groups = scores.view(1, -1)")]),
+    "the baseline includes the response itself": ("rloo", [("(groups.sum(1, keepdim=True) - groups) / (group_size - 1)",
+                                                             "groups.mean(1, keepdim=True)")]),
+    "divided by k, not k - 1": ("rloo", [("/ (group_size - 1)", "/ group_size")]),
+    "rloo: groups strided, not consecutive": ("rloo", STRIDED),
+    "the baseline over the whole batch": ("rloo", [("groups = scores.view(-1, group_size)", "groups = scores.view(1, -1)"),
+                                                   ("/ (group_size - 1)", "/ (scores.numel() - 1)")]),
+    "the sign flipped": ("rloo", [("(groups - baseline)", "(baseline - groups)")]),
+    "the scores overwritten in place": ("rloo", [("    return (groups - baseline).view(-1)",
+                                                  "    groups -= baseline\n    return groups.view(-1)")]),
+}
+HARMLESS_GROUPS = ['''
+def group_relative_advantages(scores, group_size, eps=1e-4):
+    out = torch.empty_like(scores)
+    for start in range(0, len(scores), group_size):
+        group = scores[start:start + group_size]
+        out[start:start + group_size] = (group - group.mean()) / (group.var(unbiased=True).sqrt() + eps)
+    return out
+''', '''
+def leave_one_out_advantages(scores, group_size):
+    groups = scores.reshape(-1, group_size)
+    return (group_size / (group_size - 1) * (groups - groups.mean(-1, keepdim=True))).flatten()
+''']
+
+
 def mutate(source, replacements):
     for old, new in replacements:
         assert old in source, old
@@ -328,7 +376,7 @@ def mutate(source, replacements):
 
 
 CORRECT = {"gae": [GAE], "ppo_loss": [POLICY_LOSS, VALUE_LOSS], "ppg_aux": [AUX_LOSS, PHASE], "vtrace": [VTRACE],
-           "rlhf": [REWARDS, BT]}
+           "rlhf": [REWARDS, BT], "grpo_rloo": [GRPO, RLOO]}
 
 # Harmless variants: other correct ways to write each piece. Correct code must never fail.
 HARMLESS_GAE = '''
@@ -431,7 +479,8 @@ HARMLESS = {"gae, vectorised deltas and a stacked list": ("gae", [HARMLESS_GAE])
             "v-trace written into a zeros_like buffer": ("vtrace", [HARMLESS_VTRACE]),
             "rlhf with one_hot and softplus": ("rlhf", HARMLESS_RLHF),
             "ppg's phase with the repository's loss": ("ppg_aux", [HARMLESS_PPG[1]]),
-            "rlhf with lengths as a Python list (.tolist())": ("rlhf", [HARMLESS_TOLIST, BT])}
+            "rlhf with lengths as a Python list (.tolist())": ("rlhf", [HARMLESS_TOLIST, BT]),
+            "grpo by a loop over groups, rloo as k / (k - 1) times the centred score": ("grpo_rloo", HARMLESS_GROUPS)}
 
 
 def mutant_cases():
@@ -453,6 +502,9 @@ def mutant_cases():
         index = 1 if "F.logsigmoid" in replacements[0][0] or replacements[0][0] == ").mean()" else 0
         sources[index] = mutate(sources[index], replacements)
         cases.append(("rlhf", name, sources, name))
+    for name, (which, replacements) in GROUP_MUTANTS.items():
+        sources = [mutate(GRPO, replacements), RLOO] if which == "grpo" else [GRPO, mutate(RLOO, replacements)]
+        cases.append(("grpo_rloo", name, sources, name.split(": ", 1)[-1]))
     return cases
 
 
@@ -688,7 +740,8 @@ def test_the_pytest_route_grades_only_what_a_script_holds_without_marker_warning
     assert own.returncode == 0 and "1 passed" in own.stdout, own.stdout + own.stderr
     blank = subprocess.run(command + ["--script", str(starter / "vtrace.py")], capture_output=True, text=True,
                            timeout=120, cwd=starter)  # the starter folder: outside the repository, no pytest.ini
-    assert blank.returncode == 1 and "1 failed, 4 skipped" in blank.stdout, blank.stdout
+    skipped = len(EXERCISES) - 1
+    assert blank.returncode == 1 and f"1 failed, {skipped} skipped" in blank.stdout, blank.stdout
     assert "from_importance_weights is still a blank" in blank.stdout
     assert "does not hold exercise gae (compute_gae is in ppo_procgen.py)" in blank.stdout
     assert "PytestUnknownMarkWarning" not in blank.stdout + blank.stderr

@@ -30,6 +30,7 @@ from conftest import RLHF_TINY, ROOT
 import ppo_rlhf_toy as M  # the repo root is on sys.path (conftest.py)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import rlhf_estimators  # noqa: E402
 import rlhf_seeds  # noqa: E402
 
 
@@ -139,6 +140,76 @@ def test_k3_as_a_reward_has_the_gradient_of_forward_minus_reverse_kl_and_k1_that
     assert (reward_gradient["k3"] - gradient(forward_kl)).abs().max() > 0.05
 
 
+# ---------------------------------------------------------------- the critic-free estimators: GRPO and RLOO
+def naive_group_relative(scores, k, eps=1e-4):
+    """GRPO's advantage by hand in float64: each group's mean and sample std (ddof 1) in plain loops."""
+    advantages = []
+    for start in range(0, len(scores), k):
+        group = [float(score) for score in scores[start:start + k]]
+        mean = sum(group) / k
+        std = math.sqrt(sum((score - mean) ** 2 for score in group) / (k - 1))
+        advantages += [(score - mean) / (std + eps) for score in group]
+    return advantages
+
+
+def naive_leave_one_out(scores, k):
+    """RLOO's advantage by a double loop: r_i minus the mean of the other k - 1 scores of its group."""
+    advantages = []
+    for start in range(0, len(scores), k):
+        group = [float(score) for score in scores[start:start + k]]
+        for i in range(k):
+            others = [group[j] for j in range(k) if j != i]
+            advantages.append(group[i] - sum(others) / len(others))
+    return advantages
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_group_advantages_match_naive_float64_references(k):
+    torch.manual_seed(k)
+    scores = torch.randn(4 * k, dtype=torch.float64) * 3
+    grpo = M.group_relative_advantages(scores, k)
+    rloo = M.leave_one_out_advantages(scores, k)
+    assert grpo.tolist() == pytest.approx(naive_group_relative(scores.tolist(), k), abs=1e-12)
+    assert rloo.tolist() == pytest.approx(naive_leave_one_out(scores.tolist(), k), abs=1e-12)
+    for group in grpo.view(-1, k):  # each group standardised (up to eps): mean 0, sample std 1
+        assert group.mean().item() == pytest.approx(0.0, abs=1e-12)
+        assert group.std().item() == pytest.approx(1.0, abs=0.01)
+
+
+def test_group_advantages_of_equal_scores_are_zero_and_k_1_is_refused():
+    scores = torch.tensor([0.7, 0.7, 0.7, 0.7, -1.0, 2.0, 0.5, 0.5])  # a group of equal scores, then another
+    for advantages in (M.group_relative_advantages(scores, 4), M.leave_one_out_advantages(scores, 4)):
+        assert torch.isfinite(advantages).all() and advantages[:4].tolist() == [0.0] * 4
+        assert advantages[4:].abs().max() > 0.5
+    for estimator in (M.group_relative_advantages, M.leave_one_out_advantages):
+        for k, count in ((1, 8), (3, 8)):  # k = 1: no group; 8 scores do not split into groups of 3
+            with pytest.raises(ValueError, match=f"group_size {k}: a group baseline needs k >= 2"):
+                estimator(scores[:count], k)
+
+
+def test_the_kl_in_the_loss_is_grpos_k3_and_leaves_the_reward_alone():
+    """--kl-penalty loss: the rewards hold the score only, and the update adds beta times the mean k3 per token (GRPO
+    eq. 4). Equal scores make every advantage 0, so one plain SGD step is exactly -lr * beta * grad mean k3."""
+    args, policy, _, _, _ = small_setup(advantage="grpo", num_minibatches=1, ppo_epochs=1, beta=0.3,
+                                        max_grad_norm=math.inf)
+    ref = M.make_model(args, len(M.VOCAB)).requires_grad_(False)  # a reference the policy differs from
+    queries = M.random_prompts(16, "cpu").repeat_interleave(4, 0)
+    equal_scores = lambda queries, responses: torch.full((len(responses),), 0.5)
+    batch = M.collect_rollout(policy, ref, None, queries, equal_scores, args.beta, args)
+    mask = batch["mask"]
+    torch.testing.assert_close(batch["rewards"].sum(1), batch["scores"])  # no KL penalty in the reward
+    assert batch["advantages"].abs().max() == 0
+    before = copy.deepcopy(policy)
+    logp = M.response_logprobs(before, queries, batch["responses"], args.temperature)[0]
+    log_r = batch["ref_logp"] - logp * mask  # log(pi_ref / pi) per token
+    k3 = ((log_r.exp() - 1 - log_r) * mask).sum() / mask.sum()
+    k3.backward()
+    (stats,) = M.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=0.1), batch, args, args.beta)
+    assert stats["kl_loss"] == pytest.approx(k3.item(), rel=1e-5) and k3 > 0.1
+    for moved, start in zip(policy.parameters(), before.parameters()):
+        torch.testing.assert_close(moved - start.detach(), -0.1 * args.beta * start.grad, atol=1e-6, rtol=1e-4)
+
+
 def test_adaptive_kl_golden():
     assert M.adaptive_kl_beta(0.15, 9.0, 6.0, 512, 10000) == pytest.approx(0.151536, abs=1e-6)
     assert M.adaptive_kl_beta(0.15, 3.0, 6.0, 512, 10000) == pytest.approx(0.148464, abs=1e-6)
@@ -233,6 +304,23 @@ def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
     assert (in_tmp / "seeds.png").stat().st_size > 10000 and (in_tmp / "one_run.png").stat().st_size > 10000
 
 
+def test_estimators_tool_intervals_and_paired_differences_on_fake_runs():
+    mean, half = rlhf_estimators.mean_and_interval([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(3.182 * math.sqrt(5 / 3) / 2)  # t(0.975, 3 dof) * std / sqrt(4)
+
+    def run(seed, estimator, gold):
+        final = {key: 0.0 for key in rlhf_estimators.FINAL_KEYS}
+        return {"seed": seed, "estimator": estimator, "beta": 0.05, "final": {**final, "gold/score": gold},
+                "compute": {"wall_s": 1.0, "cpu_s": 1.0, "tokens": {"policy forward": 10}}}
+
+    # PPO's gold is 1 and 2 in seeds 1 and 2; GRPO's 1.5 and 2.1: paired differences 0.5 and 0.1
+    runs = [run(1, "gae", 1.0), run(2, "gae", 2.0), run(2, "grpo", 2.1), run(1, "grpo", 1.5)]
+    table = rlhf_estimators.aggregate({"runs": runs})
+    difference = table["grpo 0.05"]["minus_ppo"]["gold/score"]
+    assert difference["mean"] == pytest.approx(0.3) and difference["ci95"] == pytest.approx(12.706 * 0.2)  # std 0.2 * sqrt(2)
+    assert table["gae 0.05"]["gold/score"]["mean"] == pytest.approx(1.5) and "minus_ppo" not in table["gae 0.05"]
+
+
 # ---------------------------------------------------------------- masks, EOS, the reward model and its data
 def test_response_mask_and_per_token_rewards_put_the_score_on_eos():
     eos = M.EOS
@@ -303,7 +391,7 @@ def test_held_out_pairs_share_no_sentence_with_training_pairs():
 # ---------------------------------------------------------------- PPO invariants on the toy transformer
 def small_setup(seed=0, **overrides):
     torch.manual_seed(seed)
-    args = M.Args(d_model=32, n_heads=4, rollout_batch_size=64, num_minibatches=4, **overrides)
+    args = M.Args(**{"d_model": 32, "n_heads": 4, "rollout_batch_size": 64, "num_minibatches": 4, **overrides})
     policy = M.make_model(args, len(M.VOCAB))
     ref = copy.deepcopy(policy).requires_grad_(False)
     critic = M.make_model(args, 1)
@@ -324,7 +412,7 @@ def test_rollout_logprobs_equal_recomputed_and_first_minibatch_ratio_is_one():
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=1e-3, eps=1e-5)
     for _ in range(3):  # the first minibatch of EVERY update starts from the rollout policy
         batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
-        stats = M.ppo_update(policy, critic, optimizer, batch, args)
+        stats = M.ppo_update(policy, critic, optimizer, batch, args, args.beta)
         # exactly 1.0 and 0.0 on our CPU; the tolerance only guards against BLAS kernels that depend on the batch shape
         assert stats[0]["ratio"] == pytest.approx(1.0, abs=1e-6) and stats[0]["approxkl"] < 1e-12
         assert stats[0]["clipfrac"] == 0.0 and stats[0]["vf_clipfrac"] == 0.0
@@ -340,7 +428,7 @@ def test_temperature_is_applied_in_every_pass():
     wrong = M.response_logprobs(policy, batch["queries"], batch["responses"], 1.0)[0] * batch["mask"]
     assert (wrong - batch["logp"]).abs().max() > 1e-2
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    assert M.ppo_update(policy, critic, optimizer, batch, args)[0]["approxkl"] < 1e-12
+    assert M.ppo_update(policy, critic, optimizer, batch, args, args.beta)[0]["approxkl"] < 1e-12
 
 
 @pytest.mark.parametrize("whiten_rewards", [False, True])
@@ -438,16 +526,18 @@ def enumerable_prompts(n):
 
 
 def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
+    """PPO (or GRPO, RLOO with advantage=...) on the enumerable task -> the exact learned and reference
+    distributions, the gold table and the critic's V(prompt) (None without a critic)."""
     responses, rewards, score_fn, ref = enumerable_task(seed)
     args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=beta, ppo_iterations=iterations,
                   rollout_batch_size=256, num_minibatches=4, ppo_lr=lr, **overrides)
     policy = copy.deepcopy(ref).requires_grad_(True)
-    critic = TablePolicy(1, 0.0)
+    critic = TablePolicy(1, 0.0) if args.advantage == "gae" else None
     M.run_ppo(args, beta=beta, policy=policy, ref_policy=ref, critic=critic, score_fn=score_fn,
               sample_prompts=enumerable_prompts)
     pi = exact_distribution(policy, responses, args.temperature)
     pi_ref = exact_distribution(ref, responses, args.temperature)
-    return pi, pi_ref, rewards, critic(torch.full((1, 1), M.BOS))[0, 0].item()
+    return pi, pi_ref, rewards, None if critic is None else critic(torch.full((1, 1), M.BOS))[0, 0].item()
 
 
 def test_enumeration_is_a_distribution(enumerable_eos):
@@ -467,6 +557,48 @@ def test_ppo_reaches_the_kl_regularised_optimum(beta, enumerable_eos):
     objective = (pi * rewards).sum().item() - beta * kl(pi, pi_ref)  # E[r] - beta KL, at most beta log Z
     assert objective == pytest.approx(beta * log_z, abs=0.02) and objective <= beta * log_z + 1e-9
     assert root_value == pytest.approx(objective, abs=0.1)  # the critic learned V(prompt) = E[sum of rewards]
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_critic_free_estimators_reach_the_kl_regularised_optimum(advantage, enumerable_eos):
+    """With the k1 penalty in the reward, a response's return is r - beta log(pi / pi_ref), which is beta log Z for
+    every response at pi*: pi* is where every group's returns are equal and both estimators stop. No critic."""
+    beta = 0.25
+    pi, pi_ref, rewards, root_value = run_enumerable_ppo(beta, iterations=40, lr=0.05, advantage=advantage,
+                                                         kl_penalty="reward")
+    pi_star, log_z, _ = closed_form_optimum(pi_ref, rewards, beta)
+    start = kl(pi_ref, pi_star)
+    end = kl(pi, pi_star)
+    print(f"{advantage}: KL(ref || opt) {start:.4f} -> KL(learned || opt) {end:.4f}")
+    assert root_value is None and start > 0.05 and end < 0.02 and end < start / 10
+    objective = (pi * rewards).sum().item() - beta * kl(pi, pi_ref)
+    assert objective == pytest.approx(beta * log_z, abs=0.02) and objective <= beta * log_z + 1e-9
+
+
+@pytest.mark.parametrize("advantage, group_size", [("gae", 1), ("grpo", 4), ("rloo", 8)])
+def test_each_estimator_samples_the_same_number_of_responses_k_per_prompt(advantage, group_size, enumerable_eos):
+    """The same budget for every estimator: --rollout-batch-size responses per iteration, from batch / k prompt
+    draws, each prompt's k responses in consecutive rows (the rows a group baseline compares)."""
+    _, _, score_fn, ref = enumerable_task()
+    draws, scored = [], []
+
+    def distinct_prompts(count):  # one-token prompts 1..4, so that groups can be told apart
+        draws.append(count)
+        return torch.randint(1, 5, (count, 1))
+
+    def spy(queries, responses):
+        scored.append(queries)
+        return score_fn(queries, responses)
+
+    args = M.Args(max_response_len=ENUM_LEN, ppo_iterations=2, rollout_batch_size=32, num_minibatches=2, ppo_epochs=1,
+                  advantage=advantage, **({} if advantage == "gae" else {"group_size": group_size}))
+    policy = copy.deepcopy(ref).requires_grad_(True)
+    critic = TablePolicy(1, 0.0) if advantage == "gae" else None
+    M.run_ppo(args, beta=0.1, policy=policy, ref_policy=ref, critic=critic, score_fn=spy, sample_prompts=distinct_prompts)
+    assert draws == [32 // group_size] * 2 and [len(queries) for queries in scored] == [32, 32]
+    for queries in scored:
+        groups = queries.view(-1, group_size)
+        assert (groups == groups[:, :1]).all()
 
 
 def test_ppo_with_k3_in_the_reward_misses_the_optimum_and_collapses(enumerable_eos):
@@ -490,7 +622,8 @@ def test_ppo_losses_match_a_naive_per_token_computation():
     values = torch.randn(shape, dtype=torch.float64)
     old_values = torch.randn(shape, dtype=torch.float64)
     mask = (torch.rand(shape) < 0.7).double()
-    pg, vf, stats = M.ppo_losses(logp, old_logp, advantages, values, old_values, returns, mask, 0.2, 0.3)
+    pg, stats = M.clipped_surrogate_loss(logp, old_logp, advantages, mask, 0.2)
+    vf, vf_clipfrac = M.clipped_value_loss(values, old_values, returns, mask, 0.3)
     pg_terms = []
     vf_terms = []
     clipped = []
@@ -574,7 +707,7 @@ BAD_VALUES = {  # one bad value for every numeric flag of Args
     "max_grad_norm": 0.0, "temperature": math.inf, "beta": -0.1, "kl_target": 0.0, "kl_horizon": 0,
     "clip_coef": 0.0, "clip_coef_value": math.nan, "vf_coef": -1.0, "gamma": 1.5, "lam": -0.1,
     "missing_eos_penalty": -math.inf, "ptx_coef": math.nan, "eval_samples": 0, "bon_pool": 1,
-    "sweep_betas": (0.1, math.inf), "threads": 0}
+    "sweep_betas": (0.1, math.inf), "threads": 0, "group_size": 1}
 
 
 def test_every_numeric_flag_has_a_range_and_a_bad_value_here():
@@ -596,7 +729,11 @@ def test_a_bad_numeric_flag_fails_with_one_line_naming_it(name, value):
     (dict(num_minibatches=3), "--num-minibatches"), (dict(rollout_batch_size=40, num_minibatches=8),
                                                      "--num-minibatches"),
     (dict(load_rm="x.pt", load_sft=None), "--load-rm"), (dict(n_heads=5), "--n-heads"),
-    (dict(load_sft="missing.pt"), "--load-sft")])
+    (dict(load_sft="missing.pt"), "--load-sft"), (dict(group_size=8), "--group-size"),
+    (dict(advantage="rloo", group_size=5), "--group-size"), (dict(advantage="grpo", lam=0.9), "--lam"),
+    (dict(advantage="rloo", vf_coef=0.5), "--vf-coef"), (dict(advantage="grpo", whiten_rewards=True), "--whiten-rewards"),
+    (dict(advantage="grpo", kl_estimator="k3"), "--kl-estimator"),
+    (dict(kl_penalty="loss", kl_estimator="k3"), "--kl-estimator")])
 def test_flags_that_constrain_each_other_fail_with_one_line(overrides, flag):
     with pytest.raises(SystemExit) as error:
         M.validate_args(dataclasses.replace(M.Args(), **overrides))
@@ -740,6 +877,25 @@ def test_end_to_end_small(rlhf_tiny_run, in_tmp):
     quick = dict(RLHF_TINY, num_pairs=200, rm_epochs=1, ppo_iterations=1, eval_samples=64, bon_pool=4)
     third = M.train(M.Args(**quick, d_model=32, n_layers=1, n_heads=2, max_response_len=10, load_sft=sft_path))
     assert third["sft"]["gold/grammar_rate"] > 0.9 and third["rm"]["rm/train_pairs"] > 100
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_critic_free_estimators_train_on_the_toy_without_a_critic(advantage, rlhf_tiny_run, in_tmp):
+    """GRPO and RLOO from the session run's SFT policy and RM, at its flags: gold and proxy go up as PPO's do; no
+    critic is trained, logged or saved; GRPO's KL is a loss term, RLOO's a reward penalty (their papers)."""
+    sft_path, rm_path = (str(rlhf_tiny_run.run_dir / name) for name in ("sft.pt", "rm.pt"))
+    quick = dict(RLHF_TINY, ppo_iterations=10, eval_samples=128, bon_pool=2)
+    summary = M.train(M.Args(**quick, advantage=advantage, load_sft=sft_path, load_rm=rm_path, save_model=True))
+    sft, final = summary["sft"], summary["ppo"]["0.05"]
+    print(advantage, sft["gold/score"], final["gold/score"], final["objective/kl"])
+    assert summary["advantage"] == advantage
+    assert final["gold/score"] > sft["gold/score"] + 0.5 and final["proxy/score"] > sft["proxy/score"] + 0.5
+    (run_dir,) = list((in_tmp / "runs").iterdir())
+    ppo_records = [record for record in read_records(run_dir) if record["stage"] == "ppo"]
+    assert len(ppo_records) == quick["ppo_iterations"]
+    assert not {"loss/value_avg", "val/var_explained", "val/clipfrac_avg"} & set(ppo_records[0])
+    assert ("loss/kl_avg" in ppo_records[0]) == (advantage == "grpo")
+    assert M.load_checkpoint(str(run_dir / "ppo_policy.pt"), "--load-sft", "cpu")[1]["critic"] is None
 
 
 def test_two_runs_with_the_same_name_get_two_run_directories(in_tmp, monkeypatch):
