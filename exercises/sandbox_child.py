@@ -18,7 +18,7 @@ copy of the zygote's memory whatever the zygote read): {"files": [...], "preload
 expected outputs, no mistakes' answers).
 
 The forked child (a copy-on-write image of the pristine zygote, which never ran a student's code nor held a case
-or a grade) leaves the zygote's pipes and session, opens results/out and results/err as root, joins the cgroups
+or a grade) leaves the zygote's pipes (setsid), opens results/out and results/err as root, joins the cgroups
 the parent made for it and enters namespaces of its own (join_cgroups, isolate), then drops to its uid and its
 limits and writes one JSON line per event to results/out: {"file", "loaded"} or {"file",
 "import_error"}, then {"file", "function", "index", "observation"} per case as soon as it is observed, then

@@ -108,7 +108,7 @@ PPO_LOSS_MUTANTS = {
     "value: clipped around the returns": [("old_value + torch.clamp(new_value - old_value",
                                            "returns + torch.clamp(new_value - returns")],
     "value: the factor 0.5 missing": [("return 0.5 * error.mean()", "return error.mean()")],
-    # issue 25: value errors beyond 1 in every branch, the dtype contract, Python's min on tensors
+    # value errors beyond 1 in every branch, the dtype contract, Python's min on tensors
     "value: a Huber (smooth L1) error, unclipped branch": [("error = (new_value - returns) ** 2",
                                                             "error = 2 * F.smooth_l1_loss(new_value, returns, "
                                                             "reduction='none')")],
@@ -191,7 +191,7 @@ PPG_MUTANTS = {
                                "torch.zeros(1)")]),
     "one epoch": ("phase", [("range(args.e_aux)", "range(1)")]),
     "chunks not weighted": ("phase", [("(loss * len(chunk) / len(rollouts)).backward()", "loss.backward()")]),
-    # issue 25: the procedure's classes of mistakes
+    # the procedure's classes of mistakes
     "zero_grad after the step": ("phase", [("            optimizer.zero_grad()\n", ""),
                                            ("            steps += 1", "            optimizer.zero_grad()\n"
                                                                      "            steps += 1")]),
@@ -280,7 +280,7 @@ VTRACE_MUTANTS = {
                               "next_values = torch.cat([values[1:], values[-1:]])"),
                              ("next_vs = torch.cat([vs[1:], bootstrap_value[None]])",
                               "next_vs = torch.cat([vs[1:], values[-1:]])")],
-    # issue 25: every documented input form
+    # every documented input form
     "lambda_ only a float": [("cs = lambda_ * clip(rhos, clip_c_threshold)",
                               "cs = float(lambda_) * clip(rhos, clip_c_threshold)")],
     "no trailing dimensions": [("    running = torch.zeros_like(bootstrap_value)",
@@ -316,7 +316,7 @@ RLHF_MUTANTS = {
                                    "torch.log(torch.sigmoid(r_chosen - r_rejected))")],
     "sum instead of mean": [(").mean()", ").sum()")],
     "sigma without the log": [("-F.logsigmoid(r_chosen - r_rejected)", "-torch.sigmoid(r_chosen - r_rejected)")],
-    # issue 25: inputs never modified in place; an index must be an integer tensor
+    # inputs never modified in place; an index must be an integer tensor
     "the KL overwritten in place": [("rewards = -beta * kl * mask", "rewards = kl.mul_(mask).mul_(-beta)")],
     "the score index a float": [("last = mask.sum(1).long() - 1", "last = mask.sum(1) - 1")],
 }
@@ -762,7 +762,7 @@ def test_the_pytest_route_grades_only_what_a_script_holds_without_marker_warning
 
 # ---------------------------------------------------------------- the whole grade, training included
 def reuse_the_run_for_its_flags(monkeypatch, run_args, returned):
-    """The scripts the grade loads train by returning what the session's run at `run_args` returned when asked for
+    """The scripts the grade loads train by returning what the shared run at `run_args` returned when asked for
     its flags (other flags train), so that a run other tests read is trained once (conftest.py)."""
     load_script = grade.load_script
 
@@ -781,7 +781,7 @@ def reuse_the_run_for_its_flags(monkeypatch, run_args, returned):
 @pytest.mark.exercise_training
 @pytest.mark.parametrize("exercise", ["ppg_aux", "rlhf"])  # PPG trains with the student's phase; RLHF reads its own
 def test_full_grade_with_training_passes_and_prints_the_curve(exercise, request, monkeypatch):
-    """The grades' flags are those of the session's runs: test_rlhf.py's end-to-end run, PPG's learning run."""
+    """The grades' flags are those of the test run's shared runs: test_rlhf.py's end-to-end run, PPG's learning run."""
     if exercise == "rlhf":
         run = request.getfixturevalue("rlhf_tiny_run")
         reuse_the_run_for_its_flags(monkeypatch, run.args, run.summary)

@@ -36,7 +36,7 @@ import rlhf_seeds  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny matrices: one thread is fastest. Restore the session's setting afterwards (train() sets it too)."""
+    """Tiny matrices: one thread is fastest. Restore the test run's setting afterwards (train() sets it too)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -838,7 +838,7 @@ def read_records(run_dir):
 
 
 def test_end_to_end_small(rlhf_tiny_run, in_tmp):
-    """The session's run at RLHF_TINY (conftest.py), then its stages re-run from its checkpoints."""
+    """The test run's shared run at RLHF_TINY (conftest.py), then its stages re-run from its checkpoints."""
     summary, run_dir = rlhf_tiny_run.summary, rlhf_tiny_run.run_dir
     rm_info = summary["rm"]
     print(json.dumps(rm_info), summary["sft"]["gold/score"], summary["ppo"]["0.05"]["gold/score"])
@@ -881,7 +881,7 @@ def test_end_to_end_small(rlhf_tiny_run, in_tmp):
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
 def test_critic_free_estimators_train_on_the_toy_without_a_critic(advantage, rlhf_tiny_run, in_tmp):
-    """GRPO and RLOO from the session run's SFT policy and RM, at its flags: gold and proxy go up as PPO's do; no
+    """GRPO and RLOO from the shared run's SFT policy and RM, at its flags: gold and proxy go up as PPO's do; no
     critic is trained, logged or saved; GRPO's KL is a loss term, RLOO's a reward penalty (their papers)."""
     sft_path, rm_path = (str(rlhf_tiny_run.run_dir / name) for name in ("sft.pt", "rm.pt"))
     quick = dict(RLHF_TINY, ppo_iterations=10, eval_samples=128, bon_pool=2)
