@@ -59,8 +59,8 @@ class Limits:
     """What one submission's child may use; a case it did not finish within them scores 0."""
     seconds: float = 120.0  # wall clock of the whole child (start-up, imports, every case)
     cpu_seconds: int = 90  # its CPU time (RLIMIT_CPU)
-    memory_bytes: int = 4 << 30  # each process's address space (RLIMIT_AS; importing torch reserves ~0.6 GiB of
-    # it) and, as root where the machine has cgroups, the memory of all its processes together
+    memory_bytes: int = 4 << 30  # each process's address space beyond what the imports reserved (RLIMIT_AS) and,
+    # as root where the machine has cgroups, the memory of all its processes together
     output_bytes: int = 16 << 20  # each file it writes, its results and stderr included (RLIMIT_FSIZE)
     files_bytes: int = 256 << 20  # as root: its private /tmp (with /var/tmp, /dev/shm), all files together
     processes: int = 64  # processes and threads of its uid (RLIMIT_NPROC, and a cgroup's pids.max where there is

@@ -580,14 +580,15 @@ def test_the_public_cases_are_the_references_answers(tmp_path):
     for function in instructor.PUBLIC:
         shipped = json.loads(open(os.path.join(grading.CASES_DIR, f"{function}.json")).read())
         fresh = json.loads((tmp_path / f"{function}.json").read_text())
-        # Equal up to the last bits of float64: numpy's and torch's log and exp round differently on different CPUs
-        # (SIMD code paths), and a case written on one machine must not fail on another.
+        # Equal up to rounding: numpy's and torch's log, exp and reductions round differently on different CPUs
+        # and builds (SIMD code paths; a float32 case's gradients differ by ~1e-9 between torch's CPU and CUDA
+        # builds), and cases written on one machine must not fail on another. A changed reference moves far more.
         assert same_up_to_rounding(shipped, fresh), f"{function}: run python exercises/instructor.py make-cases"
 
 
 def same_up_to_rounding(a, b):
     if isinstance(a, float) and isinstance(b, float):
-        return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+        return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-7, abs_tol=1e-9)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_up_to_rounding(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
