@@ -153,8 +153,8 @@ class Args:
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
     the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
-    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
-                         args.env_threads, args.env_backend)
+    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, num_levels=args.num_levels,
+                         start_level=args.start_level, num_threads=args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
 
@@ -361,12 +361,13 @@ def explained_variance(returns, values):
     return (1 - (residual_std / returns_std) ** 2).item()
 
 
-def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None,
-               check_stop=None):
-    """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
-    loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
-    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update.
-    `check_stop()`, called before each minibatch, may raise to drop the update (a signal)."""
+def ppo_update(agent, optimizer, batch, args, kl_beta=None, check_stop=None):
+    """PPO on one rollout `batch` (flat tensors): K = --update-epochs epochs of the policy and value
+    losses. Returns mean statistics; "kl" is the KL before each step of the last epoch; kl-penalty
+    adds "kl_after", after the update. `check_stop()`, called before each minibatch, may raise to
+    drop the update (a signal)."""
+    epochs_pi = epochs_v = args.update_epochs
+    autocast = functools.partial(torch.autocast, batch["obs"].device.type, torch.bfloat16, enabled=args.amp)
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -499,8 +500,7 @@ def train(args):
             batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
                          logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
                          returns=returns.flatten(), values=values.flatten())
-            stats = ppo_update(policy, optimizer, batch, args, args.update_epochs, args.update_epochs, autocast,
-                               kl_beta, stop.check)
+            stats = ppo_update(policy, optimizer, batch, args, kl_beta, stop.check)
             stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
             if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                 kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
@@ -573,8 +573,8 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
     with N = 0 training covers them all."""
     if num_episodes == 0:  # more ranks than evaluation episodes
         return []
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads, args.env_backend))
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, args.env_backend,
+                                                 num_threads=args.env_threads))
     obs, _ = envs.reset(seed=seed)
     returns = np.full(num_episodes, np.nan)
     frames = [obs[0]]
@@ -617,13 +617,12 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0,
-                 num_threads=1, backend="auto"):
+    def __init__(self, num_envs, env_id, distribution_mode="easy", backend="auto", **options):
+        """`options`: procgen's num_levels, start_level and num_threads (its defaults: 0, 0, 1)."""
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
         self.backend = procgen_backend(backend)
-        self.options = dict(env_name=env_id, distribution_mode=distribution_mode,
-                            num_levels=num_levels, start_level=start_level, num_threads=num_threads)
+        self.options = dict(env_name=env_id, distribution_mode=distribution_mode, **options)
         self.num_envs = num_envs
         self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)

@@ -31,8 +31,7 @@ def ppo_case():
 
     def step(part):
         optimizer = torch.optim.SGD(agent.parameters(), lr=1.0)
-        ppo.ppo_update(agent, optimizer, {key: value[part] for key, value in batch.items()}, args, 1, 1,
-                       contextlib.nullcontext)
+        ppo.ppo_update(agent, optimizer, {key: value[part] for key, value in batch.items()}, args)
         return torch.cat([p.detach().flatten() for p in agent.parameters()])
     return agent, step
 

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The smallest runs that still have every moment: 6 iterations, a checkpoint after each (--save-every 1) and an
 # evaluation after each (--eval-every 1: the reference stops after one), one torch thread (bit-identical reruns).
-COMMON = dict(env_id="coinrun", channels=(4,), hidden_size=16, eval_every=1, eval_episodes=1, on_track=False,
+COMMON = dict(env_id="coinrun", channels=(4,), hidden_size=16, eval_every=1, eval_episodes=1,
               save_model=True, save_every=1, torch_threads=1, env_threads=1)
 FLAGS = {
     "ppo_procgen": dict(COMMON, num_envs=4, num_steps=8, num_minibatches=2, update_epochs=2, total_timesteps=192),
@@ -80,7 +80,7 @@ def plant(module, fault):
 
         def evaluate_then_stop(*args, **kwargs):
             original(*args, **kwargs)
-            if args[7] == fault[1]:  # its `iteration`
+            if args[2] == fault[1]:  # its `iteration`
                 os.kill(os.getpid(), signal.SIGTERM)
         module.evaluate_and_log = evaluate_then_stop
         return
@@ -102,7 +102,7 @@ def plant(module, fault):
         original = module.evaluate_and_log
 
         def evaluate_and_die(*args, **kwargs):
-            if args[7] == at:
+            if args[2] == at:
                 kill_self()
             return original(*args, **kwargs)
         module.evaluate_and_log = evaluate_and_die

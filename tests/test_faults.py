@@ -127,6 +127,6 @@ def test_a_resume_removes_the_temporary_files_of_killed_writes(in_tmp):
     for name in leftovers + ["videos/eval_00001.mp4"]:
         (run_dir / name).write_bytes(b"half")
     args = ppo.Args(resume=str(run_dir / "checkpoint.pt"))
-    ppo.open_run(args, {"run_name": "run", "iteration": 1}, rank=0)[2].close()
+    ppo.run_folder(args, {"run_name": "run", "iteration": 1}, rank=0)
     assert not any((run_dir / name).exists() for name in leftovers)
     assert os.listdir(run_dir / "videos") == ["eval_00001.mp4"]

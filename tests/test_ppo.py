@@ -1,5 +1,4 @@
 """ppo_procgen.py: GAE against its definition, the Procgen adapter, the PPO loss, learning, and the CLI end to end."""
-import contextlib
 import dataclasses
 import glob
 import json
@@ -116,9 +115,9 @@ def test_first_minibatch_has_ratio_one_and_no_clipping():
     batch = dict(obs=obs, actions=actions, log_probs=log_probs, logits=logits, values=values,
                  advantages=torch.randn(64), returns=values + torch.randn(64))
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
+    stats = ppo.ppo_update(agent, optimizer, batch, args)
     assert stats["approx_kl"] == 0 and stats["old_approx_kl"] == 0 and stats["clipfrac"] == 0 and stats["kl"] == 0
-    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext)
+    stats = ppo.ppo_update(agent, optimizer, batch, args)
     assert stats["approx_kl"] > 0 and stats["kl"] > 0  # the weights moved: the second pass sees a ratio != 1
 
 
@@ -397,7 +396,7 @@ def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch
     batch = dict(obs=obs, actions=actions, log_probs=ppo.log_prob_entropy(logits, actions)[0], logits=logits,
                  values=values, advantages=torch.randn(64), returns=values + torch.randn(64))
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppo.ppo_update(agent, optimizer, batch, args, 1, 1, contextlib.nullcontext, kl_beta=1.0)
+    stats = ppo.ppo_update(agent, optimizer, batch, args, kl_beta=1.0)
     with torch.no_grad():
         expected = ppo.categorical_kl(logits, agent(obs)[0]).mean().item()
     assert stats["kl"] == 0 and stats["kl_after"] == pytest.approx(expected, rel=1e-5) and expected > 0
@@ -492,7 +491,7 @@ def test_target_kl_compares_each_epochs_own_mean_kl():
             steps.append(1)
             return real_step(*args, **kwargs)
         optimizer.step = counted_step
-        return ppo.ppo_update(agent, optimizer, batch, args, epochs, epochs, contextlib.nullcontext), len(steps)
+        return ppo.ppo_update(agent, optimizer, batch, args), len(steps)
 
     stats, steps = update(2, None)
     second_epoch_kl = 2 * stats["approx_kl"]  # the mean of epoch 1's 0 and epoch 2's own

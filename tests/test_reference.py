@@ -372,39 +372,6 @@ def test_windows_of_the_committed_cpu_runs_are_the_last_8_iterations(step, train
     assert checked >= 1
 
 
-def test_the_scripts_in_run_line_is_the_rules_modules(tmp_path):
-    """Each Procgen script's on-track line is on_track.run_on_track_line of its own args.json dict and its run's
-    metrics.jsonl: PPO easy against baselines PPO, PPG's variants against their official folders, IMPALA none
-    (no anchor has its runs); an --eval-only run's folder (no training row) gets no line."""
-    import on_track
-    import ppg_procgen
-    import ppo_procgen
-    import vtrace
-    for name, spacing, until in (("easy", 16_384, 1_500_000), ("hard", 65_536, 12_000_000)):
-        (tmp_path / name).mkdir()
-        write_metrics(tmp_path / name / "metrics.jsonl", spacing, until, lambda step: 3.0)
-    for module, args, step, name in ((ppo_procgen, ppo_procgen.Args(), 1_490_944, "easy"),
-                                     (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", arch="detach"),
-                                      11_993_088, "hard"),
-                                     (ppg_procgen, ppg_procgen.Args(distribution_mode="hard", policy_loss="kl-penalty",
-                                                                    target_kl=0.01), 11_993_088, "hard"),
-                                     (vtrace, vtrace.Args(), 1_490_944, "easy")):
-        run_args = {"script": os.path.basename(module.__file__), **dataclasses.asdict(args)}
-        assert module.on_track_line(args, step, str(tmp_path / name)) == on_track.run_on_track_line(
-            run_args, step, str(tmp_path / name / "metrics.jsonl"))
-    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(tmp_path / "easy")).startswith(
-        "starpilot @ 1.5M (mean of the last 131k steps): ours 3.0 (1 seed) vs official baselines PPO (easy-all) ")
-    assert "official PPG single-network" in ppg_procgen.on_track_line(
-        ppg_procgen.Args(distribution_mode="hard", arch="detach"), 11_993_088, str(tmp_path / "hard"))
-    assert vtrace.on_track_line(vtrace.Args(), 1_490_944, str(tmp_path / "easy")) is None
-    evaluation_only = tmp_path / "starpilot__ppo_procgen__1__1__eval"
-    evaluation_only.mkdir()
-    (evaluation_only / "metrics.jsonl").write_text(json.dumps({"global_step": 1_490_944, "iteration": 91,
-                                                               "eval/episodic_return": 3.0}) + "\n")
-    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(evaluation_only)) is None
-    assert ppo_procgen.on_track_line(ppo_procgen.Args(), 1_490_944, str(tmp_path / "none")) is None  # no file
-
-
 def test_one_rule_set_for_the_in_run_line_and_results_py(tmp_path):
     """benchmarks/reference/on_track.py picks the anchor for both: the in-run line of one seed is `windowed_line` of its
     logged rows against the anchor the rules pick (PPO easy and hard, PPG and its variants), and None where none

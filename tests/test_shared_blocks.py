@@ -8,7 +8,8 @@ from conftest import ROOT
 
 # Top-level definitions that each algorithm is allowed to change; everything else they share must be identical.
 # `checkpoint_state` is each script's one dict of what --resume continues from (PPG adds its auxiliary optimizer).
-ALGORITHM_SPECIFIC = {"Args", "Agent", "check_args", "train", "CPU_NOTE", "checkpoint_state"}
+# `ppo_update` differs in one line: PPO's K epochs of both losses, PPG's E_pi and E_V.
+ALGORITHM_SPECIFIC = {"Args", "Agent", "check_args", "train", "CPU_NOTE", "checkpoint_state", "ppo_update"}
 
 
 def top_level(path):
@@ -62,3 +63,23 @@ def test_args_fields_in_common_are_identical_except_documented_defaults():
                        "minibatch_unit"}
     assert set(ppo) - set(ppg) == {"update_epochs"}  # replaced by E_pi and E_V
 
+
+
+def flag_help(path):
+    """Each Args field's help text: the docstring under it, which tyro shows in --help."""
+    node = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    helps = {}
+    for field, after in zip(node.body, node.body[1:] + [None]):
+        if isinstance(field, ast.AnnAssign):
+            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            helps[field.target.id] = " ".join(after.value.value.split()) if is_doc else None
+    return helps
+
+
+@pytest.mark.parametrize("other", ["ppg_procgen.py", "vtrace.py"])
+def test_shared_flags_have_the_same_help(other):
+    """A flag that two scripts share means the same in both, so its --help says the same (every flag has one)."""
+    ppo, them = flag_help(script("ppo_procgen.py")), flag_help(script(other))
+    assert None not in ppo.values() and None not in them.values()
+    drifted = sorted(name for name in set(ppo) & set(them) if ppo[name] != them[name])
+    assert not drifted, f"{other}'s help of {drifted} differs from ppo_procgen.py's"

@@ -40,12 +40,17 @@ def test_fast_path_gives_the_plain_path_losses(in_tmp, monkeypatch):
     assert np.abs(plain[:2, :2]).sum() > 0  # the comparison is not between zeros
 
 
-def test_thread_split_gives_torch_the_cores_on_cpu():
-    """Rollout steps alternate between the games and the network, so their threads take turns (see thread_split)."""
+def test_threads_default_to_the_cores_for_torch_on_cpu(in_tmp):
+    """Rollout steps alternate between the games and the network, so their threads take turns (see start_run): on
+    a CPU torch gets the cores and the games one thread; flags given win."""
     cores = len(os.sched_getaffinity(0))
-    env_threads, torch_threads = ppo.thread_split(ppo.Args(), torch.device("cpu"))
-    assert env_threads == 1 and torch_threads == cores
-    assert ppo.thread_split(ppo.Args(env_threads=3, torch_threads=5), torch.device("cpu")) == (3, 5)
+    run = ppo.start_run(ppo.Args(cuda=False))
+    run.logger.close()
+    assert run.args.env_threads == 1 and torch.get_num_threads() == cores
+    run = ppo.start_run(ppo.Args(cuda=False, env_threads=3, torch_threads=2))
+    run.logger.close()
+    assert run.args.env_threads == 3 and torch.get_num_threads() == 2
+    torch.set_num_threads(1)
 
 
 def test_benchmark_harness_times_vtrace_too():
