@@ -284,7 +284,7 @@ def run_score_and_step(run, score):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reference runs: the anchors' committed curves and the rules that match a run to them live in
-# benchmarks/reference/on_track.py, which the scripts' in-run on-track line imports too.
+# benchmarks/reference/on_track.py.
 
 def run_references(runs, evaluation=False, references=None):
     """The references every one of `runs` matches (an algorithm's seeds run the same flags), best match first."""
