@@ -56,23 +56,25 @@ class Args:
     adv_norm: Literal["minibatch", "batch", "off"] = "minibatch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
-    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its section 4: r A - beta KL(pi_old || pi))"""
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7), or 'kl-penalty', the PPO paper's section-4 variant
+    (Eq. 8: r A - beta KL(pi_old || pi)), off by default"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = True
     """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
-    """entropy bonus coefficient"""
+    """weight of the entropy bonus S[pi] (PPO Eq. 9's c2; PPG's beta_S)"""
     vf_coef: float = 0.5
-    """value loss coefficient"""
+    """weight of the value loss 1/2 E[(V - V_targ)^2] (PPO Eq. 9's c1: 0.5 in baselines and CleanRL; PPG Eq. 2:
+    1, which the PPG code writes as 0.5 x the mean squared error)"""
     max_grad_norm: float = 0.5
     """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
     """clip: stop an update after an epoch whose mean approximate KL passes this; kl-penalty: d_targ"""
     kl_beta: Optional[float] = None
-    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper, section 4: `adapt_kl_beta`)"""
+    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper section 4, `adapt_kl_beta`)"""
     kl_estimator: Literal["exact", "official"] = "exact"
-    """kl-penalty's KL: 'exact' (PPO paper), or 'official' (PPG code; --kl-beta 1: results/ppgkl)"""
+    """kl-penalty's KL: 'exact' (PPO paper), or the PPG code's 1/2 (log r)^2 ('official'; its ppgkl runs)"""
     minibatch_unit: Literal["frames", "games"] = "frames"
     """minibatches of random frames (CleanRL, baselines) or of whole games (the PPG code; see `minibatches`)"""
     adam_eps: float = 1e-5
