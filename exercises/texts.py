@@ -13,7 +13,7 @@ EXERCISES = {
     "ppg_aux": dict(
         title="PPG's auxiliary phase: the joint loss and the phase around it",
         script="ppg_procgen.py", functions=("ppg_aux_loss", "auxiliary_phase"),
-        equation="PPG paper (Cobbe et al. 2020, arXiv 2009.04416) Eqs. 2-3 and Algorithm 1"),
+        equation="PPG paper (Cobbe et al. 2021, arXiv 2009.04416) Eqs. 2-3 and Algorithm 1"),
     "vtrace": dict(
         title="V-trace: the targets v_s and the policy-gradient advantages",
         script="vtrace.py", functions=("from_importance_weights",),

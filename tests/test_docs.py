@@ -5,9 +5,11 @@ every cited result file and figure exists and every committed benchmarks/results
 lag tables agree with their JSON. Every default the pages name and every hyperparameter table's "ours"
 column against Args, results.md's per-game numbers against benchmarks/reference/ (through anchors.py), rlhf.md's
 tables and the prose numbers that cite a JSON, the quoted exit statuses and console lines against a real SIGINT and
-SIGTERM (the one test that runs a script), the cited .md pages; each of seven planted wrong edits is reported."""
+SIGTERM (the one test that runs a script), the cited .md pages, the exercises' count on the pages and their
+topic markers; each of seven planted wrong edits is reported."""
 import ast
 import contextlib
+import fnmatch
 import functools
 import glob
 import importlib
@@ -247,8 +249,9 @@ PLATFORMS = ("**Linux, CPU only**", "**Linux with an NVIDIA GPU.**", "**macOS 14
 
 def test_the_readmes_first_screen_is_the_pitch_the_scripts_and_commands():
     """A newcomer reads what this is, the scripts table, then two commands for a laptop (one that shows learning in
-    minutes, the tests exactly as CI runs them) and two for a GPU (the default run, the GPU check), all on the first
-    screen; the install for each platform follows."""
+    minutes, the tests exactly as CI runs them) and two for a GPU (the default runs of PPG and PPO), all on the first
+    screen; the install for each platform follows. The GPU check is a maintainer's tool: named further down, not on
+    the first screen."""
     text = open(os.path.join(ROOT, "README.md")).read()
     laptop, gpu = readme_blocks()[:2]
     first_screen = "\n".join(text.splitlines()[:30])
@@ -256,12 +259,57 @@ def test_the_readmes_first_screen_is_the_pitch_the_scripts_and_commands():
     assert [line.split("#")[0].strip() for line in laptop] == ["python ppo_rlhf_toy.py",
                                                                "python -m pytest -q -n 2 --dist loadfile tests"]
     assert [line.split("#")[0].strip() for line in gpu] == ["python ppg_procgen.py --env-id starpilot",
-                                                            "bash benchmarks/gpu_bench.sh"]
+                                                            "python ppo_procgen.py --env-id starpilot"]
     assert all(line in first_screen for line in laptop + gpu), "the commands are on the README's first screen"
+    gpu_check = "bash benchmarks/gpu_bench.sh"
+    assert gpu_check in text and gpu_check not in first_screen, "the GPU check is named below the first screen"
     assert CI_TEST_COMMAND in open(os.path.join(ROOT, ".ci", "run")).read()
     positions = [text.index(label) for label in PLATFORMS]
     assert text.index(gpu[-1]) < positions[0] and positions == sorted(positions)
     assert len(text.splitlines()) <= 250, "README.md is the front page: at most 250 lines"
+
+
+NUMBER_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
+                "ten": 10}
+
+
+def exercise_counts(text):
+    """The numbers a text gives as "N exercises" in words: "six exercises", not "three silent-bug exercises"."""
+    return [NUMBER_WORDS[word.lower()] for word in re.findall(r"\b(\w+) exercises\b", text, re.I)
+            if word.lower() in NUMBER_WORDS]
+
+
+def test_the_exercises_are_counted_and_marked_everywhere():
+    """Every exercise of exercises/texts.py has its row in assignments.md's table, a topic marker registered in
+    pytest.ini and in exercises/conftest.py (for a starter folder), a row in the topic subsets' table, and test
+    names in tests/conftest.py's TOPIC_TESTS whose patterns each match a test of that file; the README,
+    testing.md and assignments.md's introduction count them right."""
+    import configparser
+
+    import conftest
+    from exercises import conftest as exercises_conftest
+    from exercises.texts import EXERCISES
+    names = set(EXERCISES)
+    assignments = open(os.path.join(ROOT, "docs", "assignments.md")).read()
+    exercise_table = assignments[assignments.index("| exercise |"):assignments.index("## The handouts")]
+    assert set(re.findall(r"^\| `(\w+)` \|", exercise_table, re.M)) == names
+    assert names <= set(re.findall(r"^\| `pytest -m (\w+) tests` \|", assignments, re.M))
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(ROOT, "pytest.ini"))
+    registered = {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
+    assert names <= registered and names == set(exercises_conftest.MARKERS) == set(conftest.TOPIC_TESTS)
+    for topic, table in conftest.TOPIC_TESTS.items():
+        for stem, patterns in table.items():
+            source = open(os.path.join(ROOT, "tests", stem + ".py")).read()
+            defined = re.findall(r"^def (test_\w+)", source, re.M)
+            for pattern in patterns:
+                assert fnmatch.filter(defined, pattern), f"{topic}: {stem}.py has no test named {pattern}"
+    pages = {"README.md": open(os.path.join(ROOT, "README.md")).read(),
+             "docs/testing.md": open(os.path.join(ROOT, "docs", "testing.md")).read(),
+             "docs/assignments.md's introduction": assignments[:assignments.index("## The handouts")]}
+    for page, text in pages.items():
+        counts = exercise_counts(text)
+        assert counts and set(counts) == {len(names)}, f"{page} counts {counts} exercises, not {len(names)}"
 
 
 def test_the_readmes_install_is_two_commands_per_platform():
