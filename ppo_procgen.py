@@ -770,8 +770,9 @@ def run_folder(args, checkpoint, rank):
     if args.resume:
         directory = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(directory, os.W_OK), f"--resume {args.resume}: folder not writable")
-        for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True) if rank == 0 else ():
-            os.remove(path)
+        if rank == 0:  # the .tmp files of killed writes (the files they were to replace are whole)
+            for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True):
+                os.remove(path)
         return checkpoint["run_name"], directory
     kind = "__eval" if args.eval_only else ""
     name = [f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}_{secrets.token_hex(4)}{kind}"]
