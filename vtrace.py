@@ -1400,11 +1400,12 @@ def on_stream(stream):
 def end_thread(thread, stream, timeout=10.0):
     """Wait for the actor's thread to return (it was told to stop: at most the rest of an unroll),
     then for the work it queued on its CUDA stream, before the caller closes the games and the
-    process group and the learner's tensors are freed. Called from `StopOnSignal`'s exit, so it
-    returns within about `timeout` seconds and never raises: a plain join would raise a Ctrl-C that
-    arrives while it waits (a third signal) out of that `finally`, past the closing. Such a Ctrl-C
-    is ignored until the thread has returned or the time is up: closing the games while the actor
-    still steps them could crash the process before the process group is closed."""
+    process group and the learner's tensors are freed. Called as the run ends (`close_run`), when
+    the previous signal handlers are back, so it returns within about `timeout` seconds and never
+    raises: a plain join would raise a Ctrl-C that arrives while it waits (a third signal) past the
+    closing. Such a Ctrl-C is ignored until the thread has returned or the time is up: closing the
+    games while the actor still steps them could crash the process before the process group is
+    closed."""
     deadline = time.time() + timeout
     waiting = True
     while waiting:
