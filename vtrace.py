@@ -4,8 +4,8 @@ unrolls with a possibly stale copy of the policy; the learner corrects for that 
 
 Run:  python vtrace.py --env-id starpilot          (all flags: python vtrace.py --help)
 Read top to bottom: the environment, the network, V-trace, the learner, the actor, then `train`, the
-story; the appendix below `train` is plumbing (evaluation, torchrun, logging, checkpoints, signals,
-flag checks, the hand-over of parameters between threads and CUDA streams)."""
+story; the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals,
+flags, the hand-over of parameters between threads and CUDA streams)."""
 import collections
 import contextlib
 import copy
@@ -15,16 +15,16 @@ import glob
 import importlib.util
 import io
 import json
-import math
 import os
 import pickle
 import queue
 import random
+import secrets
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, NamedTuple, Optional, Union
 
 import gymnasium as gym
@@ -62,7 +62,7 @@ class Args:
     """T: steps in each actor's unroll (IMPALA paper Table G.1: 20)"""
     updates_per_iteration: int = 25
     """learner updates per iteration, the unit of logging, evaluation and checkpoints
-    (25 x 32 x 20 = 16,000 steps); a signal stops after the current update, not the iteration"""
+    (25 x 32 x 20 = 16,000 steps); a signal stops at the next update, saving the last whole iteration"""
     max_policy_lag: int = 1
     """k: the actor waits before an unroll whose parameters would be more than k updates old when
     trained; 0 is synchronous, 1 lets acting and learning overlap with a lag of at most one update
@@ -80,14 +80,13 @@ class Args:
     anneal_lr: bool = False
     """decay the learning rate linearly to 0 over the run"""
     gamma: float = 0.999
-    """discount factor (the reward normalizer's running return has its own: --reward-norm-gamma)"""
+    """discount factor"""
     max_grad_norm: float = 0.5
-    """global gradient-norm clip"""
+    """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     adam_eps: float = 1e-5
-    """Adam epsilon (baselines PPO uses 1e-5)"""
+    """Adam epsilon (baselines PPO: 1e-5; the PPG code and CleanRL's PPG: PyTorch's default 1e-8)"""
     reward_norm_gamma: float = 0.999
-    """discount of the running return whose std divides the rewards (as the Procgen PPO script: the
-    agent's gamma)"""
+    """discount of the running return whose std divides the rewards (CleanRL: 0.999; the PPG code: 0.99)"""
     reward_clip: float = 10.0
     """clip normalized rewards to [-reward_clip, reward_clip]"""
     channels: tuple[int, ...] = (16, 32, 32)
@@ -108,65 +107,58 @@ class Args:
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
     env_backend: Literal["auto", "procgen", "envpool"] = "auto"
     """the games' implementation, both built from Procgen 0.10.7's C++ code: procgen-mirror (the official
-    package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (other platforms); auto: whichever is installed,
-    procgen-mirror first. The same seed plays the same levels on both (docs/platforms.md)"""
+    package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (elsewhere); auto: the one installed"""
+    # 32, not PPO's 64: one actor thread steps all games and its unroll of them is one learner batch
+    # (one update per unroll keeps the lag exact), so 32 games = IMPALA's 32 unrolls (Table G.1).
     num_envs: int = 32
-    """parallel game instances (one procgen vector env), stepped by one actor thread; its unroll of
-    all games is one learner batch (one update per actor unroll keeps the lag exact), so 32 games =
-    IMPALA's batch of 32 unrolls (Table G.1); the Procgen PPO script steps 64 games"""
-    # Experiment
+    """parallel game instances (one procgen vector env)"""
+    # The run: seed and length; evaluation; logs; checkpoints; speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run name)"""
+    """the experiment's name, part of the run's name"""
     seed: int = 1
-    """seed of python, numpy, torch, procgen's levels and the actor's sampling; with
-    --deterministic-lag the same seed gives the same run on CPU (otherwise the timing of actor and
-    learner decides the lag of each unroll)"""
+    """seed of python, numpy, torch and the games; the same seed gives the same run on a CPU with
+    --deterministic-lag (otherwise the timing of actor and learner decides each unroll's lag)"""
+    total_timesteps: int = 25_000_000
+    """environment steps of the whole run (rounded down to whole iterations)"""
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms"""
     cuda: bool = True
     """use the GPU when one is available"""
-    total_timesteps: int = 25_000_000
-    """environment steps of the whole run (rounded down to whole iterations of updates_per_iteration unrolls)"""
-    # Evaluation, logging, checkpoints
     eval_every: int = 100
-    """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
+    """evaluate on held-out levels every this many iterations and at the end (0: only at the end)"""
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
-    on_track: bool = True
-    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
-    """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
+    """film one episode of each evaluation to runs/<run>/videos/*.mp4"""
     track: bool = False
-    """log to Weights & Biases"""
+    """log to Weights & Biases too"""
     wandb_project: str = "rl-reference"
     """wandb project"""
     wandb_entity: Optional[str] = None
     """wandb entity (user or team)"""
     wandb_mode: Literal["online", "offline"] = "online"
-    """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
+    """'offline': log to ./wandb without an account (`wandb sync` later)"""
     save_model: bool = False
-    """write runs/<run_name>/checkpoint.pt every --save-every iterations and at the end"""
+    """write runs/<run>/checkpoint.pt every --save-every iterations and at the end"""
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer, flags,
-    RNG and reward statistics as they were at its update, bit for bit (a stop inside an iteration goes on
-    from there); not the games in progress (fresh ones, seeded by the iteration; docs/reliability.md)"""
+    """continue the run of this checkpoint with its flags, bit for bit as if never stopped, but for
+    the games in progress (fresh ones) and the lag of the actor's first unrolls (docs/reliability.md)"""
     eval_only: bool = False
-    """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
+    """only evaluate the agent of --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
-    """checkpoint to evaluate with --eval-only"""
-    # Speed
+    """the checkpoint that --eval-only evaluates"""
     env_threads: int = 0
-    """procgen worker threads; 0 picks a value from the machine's cores (see `actor_learner_threads`)"""
+    """procgen worker threads (0: one on a CPU, the cores on a GPU: see `start_run`)"""
     torch_threads: int = 0
-    """torch CPU threads; 0 picks a value from the machine's cores (see `actor_learner_threads`)"""
+    """torch CPU threads (0: half the cores on a CPU, for actor and learner side by side; one on a GPU)"""
     channels_last: bool = True
-    """NHWC memory layout for the convolutions' inputs and weights (faster on GPUs and on CPUs)"""
+    """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
-    """torch.compile the learner's network (pays off on long GPU runs; the first iterations are slow)"""
+    """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes on CUDA or CPU (losses stay float32); off, as in the papers"""
+    """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
 
 
 def make_env(args, num_envs):
@@ -417,11 +409,10 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
       rewards[t], dones[t]  what step(a_t) returned: the reward credited to (x_t, a_t), and whether
                             that step ended the episode (x_{t+1} is then the next episode's first
                             frame, so gamma_t = 0 cuts there)
-    plus the raw returns and lengths of the episodes that ended during the unroll. Actions are
-    sampled with `generator` (the actor's own: nothing on the learner's thread moves its stream)."""
+    plus `episodes`, the raw (return, length) of each episode that ended during the unroll. Actions
+    are sampled with `generator` (the actor's own: nothing on the learner's thread moves its stream)."""
     steps = collections.defaultdict(list)
-    episode_returns = []
-    episode_lengths = []
+    episodes = []
     for _ in range(unroll_length):
         with autocast():
             logits = policy(obs)[0].float()
@@ -435,11 +426,11 @@ def collect_unroll(policy, envs, obs, unroll_length, autocast=contextlib.nullcon
             steps[key].append(value)
         obs = torch.as_tensor(frames, device=obs.device)
         if "_episode" in info:  # every episode that ended in this step
-            episode_returns += info["episode"]["r"][info["_episode"]].tolist()
-            episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
+            finished = info["_episode"]
+            episodes += zip(info["episode"]["r"][finished].tolist(), info["episode"]["l"][finished].tolist())
     steps["obs"].append(obs)
     unroll = {key: torch.stack(values) for key, values in steps.items()}
-    return dict(unroll, episode_returns=episode_returns, episode_lengths=episode_lengths)
+    return dict(unroll, episodes=episodes)
 
 
 UNROLL_TENSORS = ("obs", "actions", "behaviour_logits", "rewards", "dones")
@@ -507,21 +498,18 @@ class Actor:
         learner  wait .. | L0 on P0 ............. | L1 on P1 ............. | L2 on P2 ...
 
     --deterministic-lag: unroll n is always played with version n - k exactly. Parameters cross
-    from the learner to the actor in `PolicySnapshots`, unrolls back in a queue."""
+    from the learner to the actor in `PolicySnapshots`, unrolls back in a queue. The games are
+    reset with `seed`, which also seeds the actor's generator; `first_version` is the learner's
+    first (a resumed run's updates so far)."""
 
-    def __init__(self, agent, envs, snapshots, args, device, first_version, seed, autocast):
+    def __init__(self, agent, envs, snapshots, args, first_version, seed):
         self.network = copy.deepcopy(agent)  # loaded from `snapshots` before every unroll
-        self.envs = envs
-        self.snapshots = snapshots
-        self.args = args
-        self.device = device
-        self.first_version = first_version  # the learner's first version: a resumed run's updates
-        self.seed = seed
-        self.autocast = autocast
-        self.stream = None
-        if device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.envs, self.snapshots, self.args = envs, snapshots, args
+        self.first_version, self.seed = first_version, seed
+        self.device = next(agent.parameters()).device
+        self.autocast = functools.partial(torch.autocast, self.device.type, torch.bfloat16, enabled=args.amp)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.unrolls = queue.Queue()  # at most k unrolls: the actor waits for parameters
         self.stopping = threading.Event()
         self.errors = []  # an exception of the actor's, for the learner to raise
@@ -546,8 +534,7 @@ class Actor:
         while True:
             wait_start = time.time()
             oldest = max(unroll_index - args.max_policy_lag, self.first_version)
-            exact = args.deterministic_lag
-            version = self.snapshots.load_into(self.network, oldest, exact, self.stopping)
+            version = self.snapshots.load_into(self.network, oldest, args.deterministic_lag, self.stopping)
             if version is None:  # stopped while waiting
                 return
             play_start = time.time()
@@ -583,106 +570,75 @@ class Actor:
 
 
 def train(args):
-    args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
-    args.env_threads, torch_threads = actor_learner_threads(args, device)  # actor and learner share the cores
-    torch.set_num_threads(torch_threads)
-    run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
+    run = start_run(args)  # flags checked, torchrun, device, seeds, threads, the run's folder and log
+    args, device = run.args, run.device  # a resumed run: its checkpoint's flags
+    actor_learner_threads(run)  # on a CPU the actor's and the learner's forward passes share the cores
     # One update per unroll of all games: an iteration is updates_per_iteration unrolls.
-    steps_per_update = args.num_envs * args.unroll_length
-    steps_per_iteration = args.updates_per_iteration * steps_per_update
+    steps_per_iteration = args.updates_per_iteration * args.num_envs * args.unroll_length
     num_iterations = count_iterations(args, steps_per_iteration, device)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    envs = make_env(args, args.num_envs // world_size)  # this rank's games, all stepped by its actor
-    start_iteration = restore(checkpoint, args, rank, agent, {"optimizer": optimizer}, envs.env)
+    envs = make_env(args, args.num_envs // run.world_size)  # this rank's games, all stepped by its actor
+    start_iteration = restore(run, agent, {"optimizer": optimizer}, envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
     if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
-        return evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs)
+        return evaluate_checkpoint(run, agent, envs)
 
     # version: the learner's updates so far, the number of the parameters it publishes; update n
-    # trains on unroll n. A run stopped inside an iteration continues it (`unfinished`).
-    version = checkpoint["updates"] if args.resume else 0
-    unfinished = checkpoint.get("unfinished") if args.resume else None
-    reward_rms = reward_statistics(envs.env)  # the normalizer after the last unroll trained on
+    # trains on unroll n.
+    version = (start_iteration - 1) * args.updates_per_iteration
+    reward_rms = reward_statistics(envs.env)  # the normalizer as the last unroll trained on left it
     snapshots = PolicySnapshots(keep=args.max_policy_lag + 1 if args.deterministic_lag else 1)
     snapshots.publish(version, agent.parameters(), device)
     # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
-    seed = args.seed + (start_iteration - 1) * world_size + rank
-    actor = Actor(agent, envs, snapshots, args, device, first_version=version, seed=seed, autocast=autocast)
+    actor = Actor(agent, envs, snapshots, args, version, game_seed(args.seed, start_iteration, run.rank))
     global_step = (start_iteration - 1) * steps_per_iteration
-    start = (time.time(), version * steps_per_update)  # SPS and the ETA count this process's steps
-    recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
-    # A signal stops after the current update, with a checkpoint; leaving stops the actor first
-    with StopOnSignal(args, checkpoint, device, closing=(actor, envs, logger)) as stop:
-        try:
-            # Actor: from here on a thread plays unrolls of T steps in all games with the latest
-            # parameters the learner has published (mu, possibly a few updates old) and queues them.
-            actor.start()
-            # Learner: one V-trace update per unroll, in the order the actor played them.
-            for iteration in range(start_iteration, num_iterations + 1):
-                if args.anneal_lr:  # linearly to 0 over the run
-                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
-                # The iteration's record: empty, or that of a run stopped inside it (going on from there).
-                lags, stats, episode_returns, episode_lengths = iteration_record(unfinished, rank, device)
-                unfinished = None
-                times = collections.Counter()
-                for update in range(len(stats), args.updates_per_iteration):
-                    # 1. Take the next unroll from the actor's queue (waiting if it is still playing it).
-                    wait_start = time.perf_counter()
-                    unroll = actor.next_unroll()
-                    lags.append(version - unroll["version"])  # updates between mu's parameters and now
-                    episode_returns += unroll["episode_returns"]
-                    episode_lengths += unroll["episode_lengths"]
+    # A signal stops the run at the next update, saving the last whole iteration; leaving the block
+    # stops the actor, then closes the games.
+    with StopOnSignal(run, closing=(actor, envs)) as stop:
+        # Actor: from here on a thread plays unrolls of T steps in all games with the latest
+        # parameters the learner has published (mu, possibly a few updates old) and queues them.
+        actor.start()
+        # Learner: one V-trace update per unroll, in the order the actor played them.
+        for iteration in range(start_iteration, num_iterations + 1):
+            if args.anneal_lr:  # linearly to 0 over the run
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
+            lags, update_stats, episodes = [], [], []
+            times = collections.Counter()
+            for _ in range(args.updates_per_iteration):
+                stop.check()  # after a signal: raises Interrupted (this iteration's updates are dropped)
+                # 1. Take the next unroll from the actor's queue (waiting if it is still playing it).
+                wait_start = time.perf_counter()
+                unroll = actor.next_unroll()
+                lags.append(version - unroll["version"])  # updates between mu's parameters and now
+                episodes += unroll["episodes"]
 
-                    # 2. V-trace targets and one gradient step on the unroll; then publish the new
-                    # parameters as version + 1, for the actor's next unroll.
-                    learn_start = time.perf_counter()
-                    stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
-                    optimizer.step()
-                    version += 1
-                    snapshots.publish(version, agent.parameters(), device)
-                    reward_rms = unroll["reward_rms"]  # the normalizer as this unroll left it
-                    times.update(wait=learn_start - wait_start, learn=time.perf_counter() - learn_start,
-                                 actor_wait=unroll["actor_wait"], actor_play=unroll["actor_play"])
-                    # A signal stops here, all ranks after the same update (after the last one: at the
-                    # iteration's end, with its row).
-                    if update < args.updates_per_iteration - 1:
-                        stop.check()  # after a signal: raises Interrupted
-                global_step += steps_per_iteration
+                # 2. V-trace targets and one gradient step on the unroll; then publish the new
+                # parameters as version + 1, for the actor's next unroll.
+                learn_start = time.perf_counter()
+                update_stats.append(vtrace_backward(policy, optimizer, unroll, args, autocast))
+                optimizer.step()
+                version += 1
+                snapshots.publish(version, agent.parameters(), device)
+                reward_rms = unroll["reward_rms"]  # the normalizer as this unroll left it (the actor is ahead)
+                times.update(wait=learn_start - wait_start, learn=time.perf_counter() - learn_start,
+                             actor_wait=unroll["actor_wait"], actor_play=unroll["actor_play"])
+            global_step += steps_per_iteration
 
-                # 3. Log (losses: means over the iteration's updates); then evaluate, save a checkpoint
-                # and stop where the flags or a signal ask.
-                log_iteration_and_lags(logger, device, iteration, num_iterations, global_step, start, optimizer,
-                                       episode_returns, episode_lengths, recent_returns, mean_over_updates(stats),
-                                       times, lags, args.max_policy_lag)
-                if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
-                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step)
-                stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
-                if stopping:
-                    actor.close()  # it plays no further while the checkpoint is written
-                if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                    state = checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms,
-                                             version)
-                    stop.save(checkpoint_path, state, final=iteration == num_iterations)
-                if stopping:
-                    stop.exit(iteration)
-        except Interrupted:  # inside an iteration: the checkpoint keeps its record so far, to go on from there
-            actor.close()  # it plays no further while the checkpoint is written
-            record = (lags, stats, episode_returns, episode_lengths)
-            steps_trained = global_step + (update + 1) * steps_per_update
-            state = checkpoint_state(args, run_name, iteration - 1, steps_trained, agent, optimizer, reward_rms,
-                                     version, record)
-            stop.save(checkpoint_path, state, final=False)
-            stop.exit(iteration - 1)
-        except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
-            actor.close()
-            state = checkpoint_state(args, run_name, iteration - 1, global_step, agent, optimizer, reward_rms, version)
-            exit_nonfinite_update(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
-    return run_dir
+            # 3. Log (losses: means over the iteration's updates; the lags of its unrolls); then
+            # evaluate, save a checkpoint and stop where the flags or a signal ask.
+            stats = {**mean_over_updates(update_stats), **policy_lag_columns(lags, args.max_policy_lag),
+                     **{f"time/{key}": seconds for key, seconds in times.items()},
+                     "charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            log_iteration(run, iteration, global_step, episodes, stats)
+            if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
+                evaluate_and_log(run, agent, iteration, global_step)
+            state = checkpoint_state(run, iteration, agent, optimizer, envs.env, reward_rms)
+            stop.end_iteration(state, last=iteration == num_iterations)
+    return run.dir
 
 
 # ---- Appendix: plumbing ----
@@ -707,53 +663,29 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration,
-                     global_step):
-    """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
-    --capture-video and, with --on-track, sets the run's logged last-100-episode returns against
-    the anchors' runs at this step."""
+def evaluate_and_log(run, agent, iteration, global_step):
+    """Held-out levels, the episodes shared among the ranks: a row and a line; with
+    --capture-video rank 0 films its first episode."""
+    args = run.args
     video = None
-    if args.capture_video and rank == 0:
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4")
+    if args.capture_video and run.rank == 0:
+        video = os.path.join(run.dir, "videos", f"eval_{iteration:05d}.mp4")
     start = time.perf_counter()
-    num_episodes = len(range(rank, args.eval_episodes, world_size))
-    seed = args.seed + 10**6 + iteration * world_size + rank
-    eval_return = float(np.mean(gather(evaluate(agent, args, device, num_episodes, seed, video))))
+    num_episodes = len(range(run.rank, args.eval_episodes, run.world_size))
+    seed = game_seed(args.seed, iteration, run.rank, evaluation=True)
+    eval_return = float(np.mean(gather(evaluate(agent, args, run.device, num_episodes, seed, video))))
     score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-    logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
-    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
-          "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
-          + (f", video {video}" if video else ""))
-    if args.on_track and rank == 0:
-        line = on_track_line(args, global_step, run_dir)
-        if line is not None:
-            print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
+    run.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                    "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
+    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
+          + (f", normalized score {score:.3f}" if score is not None else "") + (f", video {video}" if video else ""))
 
 
-def on_track_line(args, global_step, run_dir):
-    """The line of benchmarks/reference/on_track.py (the rule `benchmarks/results.py --on-track`
-    uses too) for this run at this step, from the training rows in its metrics.jsonl; None where
-    no anchor matches, there is no training row (--eval-only) or there is no benchmarks/."""
-    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
-    sys.path.insert(0, rules)
-    try:
-        import on_track
-    except ImportError:
-        return None
-    finally:
-        sys.path.remove(rules)
-    run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
-    return on_track.run_on_track_line(run_args, global_step, os.path.join(run_dir, "metrics.jsonl"))
-
-
-def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
-    """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
-    process group are closed. Returns the run's directory."""
-    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
-                     checkpoint["iteration"], checkpoint["global_step"])
-    close_run(envs, logger)
-    return run_dir
+def evaluate_checkpoint(run, agent, envs):
+    """--eval-only: the checkpoint's agent, one row and one line; then the run is closed."""
+    evaluate_and_log(run, agent, run.checkpoint["iteration"], run.checkpoint["global_step"])
+    close_run(run, (envs,))
+    return run.dir
 
 
 @torch.no_grad()
@@ -788,6 +720,13 @@ def write_video(path, frames, fps=15):
     video = iio.imwrite("<bytes>", frames, plugin="pyav", extension=".mp4", codec="libx264", fps=fps)
     write_atomically(path, video)
 
+
+def game_seed(seed, iteration, rank, evaluation=False):
+    """The seed of fresh games: a hash of (--seed, iteration, rank) by numpy's SeedSequence, so that
+    no two runs, ranks or resumes share their games' levels (a sum such as seed + rank would give
+    --seed 1's rank 1 the games of --seed 2's rank 0)."""
+    entropy = [seed, iteration, rank, int(evaluation)]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
 
 class ProcgenVecEnv(gym.vector.VectorEnv):
     """A gymnasium VectorEnv over the Procgen games of either backend (`procgen_backend`), with
@@ -882,71 +821,77 @@ def make_games(backend, num_envs, seed, env_name, distribution_mode, **options):
                          "libqt5gui5; macOS: brew install qt@5)") from None
 
 
+@dataclass
+class Run:
+    """One record of the run for the plumbing: its flags, this process's place in it, where it
+    writes, and what it has saved."""
+    args: Args
+    name: str
+    dir: str
+    device: torch.device
+    rank: int
+    world_size: int
+    logger: "Logger"
+    checkpoint: Optional[dict] = None  # the checkpoint resumed or evaluated
+    start: tuple = (0.0, 0)  # (time, global step) where this process began training: SPS, ETA
+    recent_returns: collections.deque = field(default_factory=functools.partial(collections.deque, maxlen=100))
+    last_whole: Optional[tuple] = None  # (iteration, checkpoint bytes): what a stop saves
+    saved: Optional[tuple] = None  # (iteration, path) of the last checkpoint on disk
+
+
 def start_run(args):
     """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its
-    checkpoint's flags (only RUNTIME_FLAGS from the command line), and those are checked; then
-    torchrun's process group, this rank's device and seeds. Returns (args, checkpoint or None,
-    rank, world_size, device)."""
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    checkpoint's flags (RUNTIME_FLAGS from the command line); the flags are checked; then
+    torchrun's process group, this rank's device, seeds and threads, the run's folder and log."""
     checkpoint = None
     if args.resume or args.eval_only:
-        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+        checkpoint, args = load_checkpoint(args)
     check_args(args)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's statistics, RNGs: its own
     saved_ranks = len(checkpoint["ranks"]) if args.resume else world_size
     require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: "
             f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
     rank, world_size, device = setup_distributed(args)
-    # Each rank its own actions and minibatches (and its own levels).
-    random.seed(args.seed + rank)
+    random.seed(args.seed + rank)  # each rank its own actions and minibatches
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
-    return args, checkpoint, rank, world_size, device
+    # The games step while the network waits and vice versa. On a CPU the network dominates and
+    # torch gets the cores (2 threads ran PPO 1.6-1.9x faster than 1 on 2 cores), the games one
+    # thread; on a GPU the games get the cores. One machine's ranks share its cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    on_gpu = device.type == "cuda"
+    args.env_threads = args.env_threads or (min(cores, args.num_envs) if on_gpu else 1)
+    torch.set_num_threads(args.torch_threads or (1 if on_gpu else cores))
+    name, directory = run_folder(args, checkpoint, rank)
+    logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    saved = (checkpoint["iteration"], args.resume) if args.resume else None
+    return Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved)
 
 
-def open_run(args, checkpoint, rank):
-    """The run's directory (a resumed run's own, else a new one no other run shares; an unwritable
-    runs/ stops here, before anything big) and its log. Returns (run_name, run_dir, logger)."""
+def run_folder(args, checkpoint, rank):
+    """The run's name and folder: a resumed run's own (without the .tmp files of killed writes),
+    else a new runs/<game>__<exp_name>__<seed>__<time>_<random>, made by rank 0 and named alike on
+    every rank: runs started in the same second (a sweep) never share one."""
     if args.resume:
-        run_name = checkpoint["run_name"]
-        run_dir = os.path.dirname(os.path.abspath(args.resume))
-        require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        if rank == 0:  # the .tmp files of a killed write (the file it was to replace is whole)
-            for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True):
-                os.remove(path)
-    else:
-        suffix = "__eval" if args.eval_only else ""
-        base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
-        run_name, run_dir = create_run_dir(base_name, rank)
-    resume_iteration = checkpoint["iteration"] if args.resume else None
-    return run_name, run_dir, Logger(args, run_name, run_dir, rank, resume_iteration)
-
-
-def create_run_dir(base_name, rank):
-    """runs/<base_name>, created exclusively by rank 0 and named alike on every rank: two runs
-    started at once with the same name (a sweep) never share a directory; the later one takes the
-    next free name, -2, -3, ... Returns (name, path); an unwritable runs/ fails with one line."""
-    outcome = [base_name, None]  # the name taken, or why none could be
-    suffix = 1
-    while rank == 0:
-        try:
-            os.makedirs(os.path.join("runs", outcome[0]))  # atomic: of two racing runs one succeeds
-            break
-        except FileExistsError:
-            suffix += 1
-            outcome[0] = f"{base_name}-{suffix}"
-        except OSError as error:  # read-only, no permission, runs is a file, ...
-            outcome[1] = f"cannot create the run directory runs/{outcome[0]}: {error.strerror}"
-            break
+        directory = os.path.dirname(os.path.abspath(args.resume))
+        require(os.access(directory, os.W_OK), f"--resume {args.resume}: folder not writable")
+        for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True) if rank == 0 else ():
+            os.remove(path)
+        return checkpoint["run_name"], directory
+    kind = "__eval" if args.eval_only else ""
+    name = [f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}_{secrets.token_hex(4)}{kind}"]
     if dist.is_initialized():
-        dist.broadcast_object_list(outcome, src=0)
-    require(outcome[1] is None, outcome[1])
-    return outcome[0], os.path.join("runs", outcome[0])
+        dist.broadcast_object_list(name, src=0)
+    directory = os.path.join("runs", name[0])
+    try:
+        if rank == 0:
+            os.makedirs(directory)
+    except OSError as error:  # read-only, no permission, runs is a file, ...
+        require(False, f"cannot create the run directory {directory}: {error.strerror}")
+    return name[0], directory
 
 
 def count_iterations(args, steps_per_iteration, device):
@@ -959,7 +904,6 @@ def count_iterations(args, steps_per_iteration, device):
     if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
         print(CPU_NOTE)
     return num_iterations
-
 
 def setup_distributed(args):
     """Data parallel under torchrun, which starts one process per GPU and sets RANK (global),
@@ -1013,119 +957,120 @@ def gather(items):
 
 
 class Interrupted(Exception):
-    """Raised by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
+    """Raised on every rank by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at a `check` or an iteration's end all ranks learn of it, save, `exit`.
-    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
+    """Ctrl-C or SIGTERM (a cluster's preemption) asks for a stop: `check`, called at every rollout
+    step and minibatch, then raises Interrupted on all ranks alike, and so does `end_iteration`.
+    Leaving the block saves the last whole iteration and exits (`end_run`). A second signal stops
+    at once; torchrun's copy of the first (within 2 s) is not a second."""
 
-    def __init__(self, args, checkpoint, device, closing):
-        self.device, self.closing = device, closing
-        self.signals, self.first_time = [], None
-        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None
-
-    def handler(self, signum, frame):
-        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy
-            return
-        self.signals.append(signum)
-        if len(self.signals) > 1:
-            raise KeyboardInterrupt  # `__exit__` ends the run with one line
-        self.first_time = time.perf_counter()
-        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a "
-              "checkpoint (a second signal stops at once)", flush=True)
+    def __init__(self, run, closing):
+        self.run, self.closing, self.signum, self.first_time = run, closing, None, 0.0
 
     def __enter__(self):
-        self.previous = {number: signal.signal(number, self.handler) for number in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def __exit__(self, kind, error, traceback):
-        for signum in self.previous:
-            signal.signal(signum, signal.SIG_IGN)
-        try:
-            if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
-                signum = (self.signals or [signal.SIGINT])[-1]
-                name = signal.Signals(signum).name
-                print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
-                raise SystemExit(128 + signum)
-        finally:
-            close_run(*self.closing)
-            for signum, handler in self.previous.items():
-                signal.signal(signum, handler)
-
-    def requested(self):
-        if dist.is_initialized():  # one all-reduce: all ranks stop at the same point
-            return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
-        return bool(self.signals)  # one process: no host sync
+    def handler(self, signum, frame):
+        if self.signum is None:
+            self.signum, self.first_time = signum, time.monotonic()
+            print(f"\n{signal.Signals(signum).name}: stopping at the next step to save a checkpoint (a second "
+                  "signal stops at once)", flush=True)
+        elif time.monotonic() - self.first_time > 2:
+            raise KeyboardInterrupt  # `end_run` stops with one line
 
     def check(self):
-        if self.requested():
+        asked = self.signum is not None
+        if dist.is_initialized():  # one all-reduce: every rank stops at the same step
+            asked = all_reduce_mean(torch.tensor(float(asked), device=self.run.device)).item() > 0
+        if asked:
             raise Interrupted
 
-    def save(self, path, state, final):
-        if save_checkpoint(path, state):  # else one line; retried at the next save
-            self.last_checkpoint = (state["iteration"], path)
-        else:
-            require(not final, f"the final checkpoint could not be written (see above); {self.last_saved()}")
+    def end_iteration(self, state, last):
+        """After an iteration's log: its checkpoint `state`, kept in memory (what a stop inside the
+        next iteration saves) and written every --save-every iterations and after the last."""
+        self.run.last_whole = (state["iteration"], checkpoint_bytes(state))
+        self.check()
+        if self.run.args.save_model and (state["iteration"] % self.run.args.save_every == 0 or last):
+            save_checkpoint(self.run, final=last)
 
-    def exit(self, iteration):
-        signum = self.signals[0] if self.signals else signal.SIGTERM  # another rank caught it
-        outcome = f"iteration {iteration} could not be saved; {self.last_saved()}"
-        if self.last_checkpoint is not None and self.last_checkpoint[0] == iteration:
-            outcome = f"saved iteration {iteration} to {self.last_checkpoint[1]}; continue with --resume"
-        print(f"interrupted by {signal.Signals(signum).name}: {outcome}", flush=True)
-        raise SystemExit(128 + signum)
-
-    def last_saved(self):
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run was saved"
-        return "the last checkpoint is iteration %d in %s (continue with --resume)" % self.last_checkpoint
+    def __exit__(self, kind, error, traceback):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
 
 
-def close_run(*closing):
-    """The games and the log (what has a `close`), then torchrun's process group."""
+def end_run(run, closing, error, signum):
+    """How a run ends: after a signal, with the last whole iteration saved and exit 128 + signal;
+    after a non-finite loss, with one line and exit 1 (the last checkpoint is intact: the step that
+    would have put a NaN in the weights was not taken). The games, the log and the process group
+    are closed first."""
+    saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
+    close_run(run, closing)
+    name = signal.Signals(signum).name
+    if isinstance(error, Interrupted) and saved_now:
+        print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
+    elif isinstance(error, Interrupted):
+        print(f"interrupted by {name}: nothing new to save; {last_saved(run)}")
+    elif isinstance(error, KeyboardInterrupt):
+        print(f"\nstopped at once by a second {name}: {last_saved(run)}")
+    elif isinstance(error, FloatingPointError):
+        raise SystemExit(f"error: {error}; {last_saved(run)} (a lower --learning-rate may avoid it)") from None
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        raise SystemExit(128 + signum) from None
+
+
+def last_saved(run):
+    if run.saved is None:
+        return "no checkpoint of this run was saved"
+    return "the last checkpoint is iteration %d in %s (continue with --resume)" % run.saved
+
+
+def close_run(run, closing):
+    """The games (and IMPALA's actor), the log, then torchrun's process group."""
     for thing in closing:
         thing.close()
+    run.logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard
-    event files in the same directory (`tensorboard --logdir runs`: every numeric column with a '/'
-    in its name, at step global_step) and, with --track, to wandb."""
+    """The run's rows: one JSON object a line in runs/<name>/metrics.jsonl, TensorBoard event files
+    in the same folder (`tensorboard --logdir runs`: the numeric columns with a '/' in their name)
+    and, with --track, wandb. Rank 0 writes for all; a resumed run first drops the rows after its
+    checkpoint, since it plays those iterations again."""
 
-    def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
+    def __init__(self, args, name, directory, rank=0, resume_iteration=None):
         self.file = None
-        if rank > 0:  # rank 0 writes for all ranks
+        if rank > 0:
             return
-        os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "metrics.jsonl")
-        purge_step = None  # TensorBoard hides the events from this step on
+        os.makedirs(os.path.join(directory, "videos") if args.capture_video else directory, exist_ok=True)
+        path = os.path.join(directory, "metrics.jsonl")
+        purge_step = None  # TensorBoard hides its events from this step on
         if resume_iteration is not None and os.path.exists(path):
             purge_step = drop_rows_after(path, resume_iteration)
         flags = {"script": os.path.basename(__file__), **asdict(args)}  # for benchmarks/results.py
-        write_atomically(os.path.join(run_dir, "args.json"), json.dumps(flags, indent=1).encode())
+        write_atomically(os.path.join(directory, "args.json"), json.dumps(flags, indent=1).encode())
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
-        self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
-        self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
-                                                                             for key, value in asdict(args).items()))
+        self.tensorboard = SummaryWriter(directory, purge_step=purge_step)
         self.wandb = None
         if args.track:
             import wandb
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
-                                    name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
+                                    name=name, id=name, resume="allow", config=asdict(args), dir=directory)
 
     def log(self, row, video=None):
         if self.file is None:
             return
         line = (json.dumps(row) + "\n").encode()
         length = self.file.seek(0, os.SEEK_END)
-        try:  # one unbuffered write per row; a failed one is cut off again: no row is half there
-            written = self.file.write(line)
-            if written != len(line):
-                raise OSError(f"wrote {written} of {len(line)} bytes")
+        try:  # one unbuffered write a row; a failed one is cut off again: no row is half there
+            if self.file.write(line) != len(line):
+                raise OSError("a short write")
         except OSError as error:
             self.file.truncate(length)
             print(f"warning: could not write a row to {self.file.name} ({error.strerror or error}); it is left "
@@ -1133,25 +1078,22 @@ class Logger:
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
-        if video:
-            add_video_as_gif(self.tensorboard, video, row["global_step"])
         self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
-            self.wandb.log({**row, **({"eval/video": wandb.Video(video, format="mp4")} if video else {})},
-                           step=row["global_step"])
+            media = {"eval/video": wandb.Video(video, format="mp4")} if video else {}
+            self.wandb.log({**row, **media}, step=row["global_step"])
 
     def close(self):
-        if self.file is None:
-            return
-        self.file.close()
-        self.tensorboard.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.file is not None:
+            self.file.close()
+            self.tensorboard.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def drop_rows_after(path, iteration):
-    """A resumed run's metrics.jsonl without the rows of iterations after its checkpoint (or half a
+    """A resumed run's metrics.jsonl without the rows after its checkpoint's `iteration` (or half a
     line a crash left); returns the first global step to hide in TensorBoard (its purge_step)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
@@ -1160,81 +1102,94 @@ def drop_rows_after(path, iteration):
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
-def add_video_as_gif(tensorboard, video, step):
-    """TensorBoard shows a video as an animated GIF (torch's add_video would need moviepy)."""
-    import imageio.v3 as iio
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
-    gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
-    image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
-    tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]), step)
+def log_iteration(run, iteration, global_step, episodes, stats):
+    """One row (and one console line) per iteration: every rank's `episodes` (return, length),
+    the last 100 of them, SPS and the ETA since this process began, and `stats`: the losses (means
+    over the ranks; logged as losses/<name>) and the columns named with a '/' (time/..., charts/...)."""
+    episodes = gather(episodes)  # every rank's episodes count
+    returns = [episode_return for episode_return, _ in episodes]
+    run.recent_returns.extend(returns)
+    elapsed = time.time() - run.start[0]
+    sps = (global_step - run.start[1]) / elapsed
+    gpu_memory = torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None
+    losses = {key: value for key, value in stats.items() if "/" not in key}
+    run.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                    "charts/episodes": len(episodes), "charts/episodic_return": mean_or_none(returns),
+                    "charts/episodic_length": mean_or_none([length for _, length in episodes]),
+                    "charts/episodic_return_last100": mean_or_none(run.recent_returns),
+                    **{f"losses/{key}": value for key, value in losses.items()},
+                    **{key: value for key, value in stats.items() if "/" in key},
+                    "perf/gpu_memory_gb": gpu_memory})
+    num_iterations = run.args.total_timesteps * iteration // global_step
+    eta = (num_iterations - iteration) * global_step / iteration / sps / 60
+    timers = ", ".join(f"{key[5:]} {value:.1f}s" for key, value in stats.items() if key.startswith("time/"))
+    mean_return = f"{np.mean(returns):.2f} ({len(returns)} eps)" if returns else "-"
+    shown = " ".join(f"{key} {value:.4g}" for key, value in list(losses.items())[:4])
+    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
+          f"ETA {eta:.1f} min | return {mean_return} | {shown}", flush=True)
 
 
 def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
 
 
-def checkpoint_state(args, run_name, iteration, global_step, agent, optimizer, reward_rms, updates, record=None):
-    """All that --resume continues from after `iteration` and `updates` learner updates, in one dict
-    of tensors and plain data (what torch.load(weights_only=True) reads): the weights, the optimizer,
-    the flags, every rank's own reward statistics (`reward_rms`: after the last unroll trained on; the
-    actor is ahead) and RNG states, and for a stop inside the next iteration every rank's `record` of
-    it so far (lags, update statistics, episodes: `iteration_record` gives them back). `global_step`
-    counts the steps trained. A collective: all ranks call it."""
-    unfinished = None
-    if record is not None:
-        lags, stats, episode_returns, episode_lengths = record
-        unfinished = gather([{"lags": lags, "stats": [{key: float(value) for key, value in update.items()}
-                                                      for update in stats],
-                              "episode_returns": episode_returns, "episode_lengths": episode_lengths}])
-    ranks = gather([rank_state(reward_rms)])
+def checkpoint_state(run, iteration, agent, optimizer, normalizer, reward_rms):
+    """All that --resume continues from after `iteration`, in one dict of tensors and plain data
+    (what torch.load(weights_only=True) reads): the weights, the optimizer, the learner's updates
+    (the version of its parameters), the flags and every rank's own reward statistics and RNG
+    states (a collective: all ranks call it). The actor plays ahead of the learner: the reward
+    statistics are `reward_rms`, `normalizer`'s as the last unroll trained on left them."""
+    args = run.args
+    updates = iteration * args.updates_per_iteration
+    ranks = gather([dict(rank_state(normalizer), reward_rms=reward_rms)])
     return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
-            "global_step": global_step, "updates": updates, "unfinished": unfinished, "args": asdict(args),
-            "run_name": run_name, "ranks": ranks}
+            "global_step": updates * args.num_envs * args.unroll_length, "updates": updates,
+            "args": asdict(args), "run_name": run.name, "ranks": ranks}
 
 
-def restore(checkpoint, args, rank, agent, optimizers, normalizer):
+def restore(run, agent, optimizers, normalizer):
     """A checkpoint's weights; with --resume also its `optimizers` (by their keys in it) and this
     rank's reward statistics and RNG states. Then rank 0's weights on every rank (a new run's too).
-    Returns the first iteration to train."""
+    Returns the first iteration to train; SPS and the ETA count from here."""
+    checkpoint = run.checkpoint
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["agent"])
     for tensor in agent.state_dict().values() if dist.is_initialized() else ():
         dist.broadcast(tensor, src=0)
-    if not args.resume:
+    run.start = (time.time(), checkpoint["global_step"] if run.args.resume else 0)
+    if not run.args.resume:
         return 1
     for key, optimizer in optimizers.items():
         optimizer.load_state_dict(checkpoint[key])
-    restore_rank_state(checkpoint["ranks"][rank], normalizer)
+    restore_rank_state(checkpoint["ranks"][run.rank], normalizer)
     print(f"resuming {checkpoint['run_name']} at iteration {checkpoint['iteration'] + 1}")
     return checkpoint["iteration"] + 1
 
 
-# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
-# logging only (--env-backend plays the same games, so a run moves to a machine with the other one).
-RUNTIME_FLAGS = ("cuda", "env_backend", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video",
-                 "track", "wandb_project", "wandb_entity", "wandb_mode")
-
-
-def save_checkpoint(path, state):
-    """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
-    `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
-    that fails (a full disk) prints one line with the file, the error and the size needed and
-    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return True
+def checkpoint_bytes(state):
     data = io.BytesIO()
     torch.save(state, data)
+    return data.getvalue()
+
+
+def save_checkpoint(run, final):
+    """The last whole iteration's checkpoint to runs/<name>/checkpoint.pt, by rank 0, atomically:
+    a crash or a kill mid-write leaves the previous one intact. A failed write (a full disk) is one
+    line and the run goes on, retrying at its next save; a failed final one stops the run."""
+    iteration, data = run.last_whole
+    path = os.path.join(run.dir, "checkpoint.pt")
     try:
-        write_atomically(path, data.getbuffer())
-        return True
+        if run.rank == 0:
+            write_atomically(path, data)
     except OSError as error:
-        disk = os.statvfs(os.path.dirname(path) or ".")
-        free = disk.f_bavail * disk.f_frsize / 2**20
-        print(f"warning: could not write {path}: {error.strerror or error} (it needs "
-              f"{data.tell() / 2**20:.1f} MiB, {free:.1f} MiB free); the previous checkpoint is kept",
+        disk = os.statvfs(run.dir)
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs {len(data) / 2**20:.1f} "
+              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
               file=sys.stderr, flush=True)
+        require(not final, f"the final checkpoint could not be written (see above); {last_saved(run)}")
         return False
+    run.saved = (iteration, path)
+    return True
 
 
 def write_atomically(path, data):
@@ -1259,13 +1214,12 @@ def reward_statistics(normalizer):
     return [float(rms.mean), float(rms.var), float(rms.count)]
 
 
-def rank_state(reward_rms):
-    """This process's own part of a checkpoint: its reward normalizer's statistics
-    (`reward_statistics`) and its RNG states, in the plain types that torch.load(weights_only=True)
-    accepts (numpy's RNG key as a list)."""
+def rank_state(normalizer):
+    """This process's own part of a checkpoint: its reward statistics and its RNG states, in the
+    plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
     numpy_rng = np.random.get_state(legacy=False)
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
-    return {"reward_rms": reward_rms,
+    return {"reward_rms": reward_statistics(normalizer),
             "rng": {"python": random.getstate(), "numpy": numpy_rng, "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
 
@@ -1284,10 +1238,20 @@ def restore_rank_state(state, normalizer):
         torch.cuda.set_rng_state(state["rng"]["cuda"])
 
 
-def load_checkpoint(path, args):
-    """Tensors and plain data only (weights_only=True: loading a file never runs code from it);
-    every failure is one line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS
-    given on this command line."""
+# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
+# logging only (--env-backend plays the same games, so a run moves to a machine with the other one).
+RUNTIME_FLAGS = ("cuda", "env_backend", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video",
+                 "track", "wandb_project", "wandb_entity", "wandb_mode")
+
+
+def load_checkpoint(args):
+    """The checkpoint of --resume or --checkpoint and its flags (those in RUNTIME_FLAGS from this
+    command line). Tensors and plain data only (weights_only=True: loading a file never runs code
+    from it); every failure is one line naming the file."""
+    path = args.resume or args.checkpoint
+    flag = "--resume" if args.resume else "--checkpoint"
+    require(path is not None, "--eval-only needs --checkpoint PATH")
+    require(os.path.isfile(path), f"{flag} {path}: no such file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
@@ -1312,18 +1276,13 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means
-    unset."""
+    """Each numeric flag in its range; None means unset (NaN is in no range)."""
     for flag in (*positive, *non_negative, *fractions):
-        value = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if value is None:
-            continue
-        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
-        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
-        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
-        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
-
+        value, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if value is not None:
+            require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+            require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+            require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
 
 def check_args(args):
     """Fail at once, before anything heavy is allocated, with one line naming the flag."""
@@ -1356,7 +1315,7 @@ CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at abou
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 
 
-# ---- IMPALA's own plumbing: CUDA streams, thread split, lag log, a stop inside an iteration ----
+# ---- IMPALA's own plumbing: CUDA streams, the threads' share of the cores, the lag's columns ----
 class PolicySnapshots:
     """The learner's parameters by version (version = updates so far): the learner publishes a copy
     after every update, the actor loads one into its own network before every unroll. Copies, never
@@ -1441,11 +1400,12 @@ def on_stream(stream):
 def end_thread(thread, stream, timeout=10.0):
     """Wait for the actor's thread to return (it was told to stop: at most the rest of an unroll),
     then for the work it queued on its CUDA stream, before the caller closes the games and the
-    process group and the learner's tensors are freed. Called from `StopOnSignal`'s exit, so it
-    returns within about `timeout` seconds and never raises: a plain join would raise a Ctrl-C that
-    arrives while it waits (a third signal) out of that `finally`, past the closing. Such a Ctrl-C
-    is ignored until the thread has returned or the time is up: closing the games while the actor
-    still steps them could crash the process before the process group is closed."""
+    process group and the learner's tensors are freed. Called as the run ends (`close_run`), when
+    the previous signal handlers are back, so it returns within about `timeout` seconds and never
+    raises: a plain join would raise a Ctrl-C that arrives while it waits (a third signal) past the
+    closing. Such a Ctrl-C is ignored until the thread has returned or the time is up: closing the
+    games while the actor still steps them could crash the process before the process group is
+    closed."""
     deadline = time.time() + timeout
     waiting = True
     while waiting:
@@ -1462,19 +1422,14 @@ def end_thread(thread, stream, timeout=10.0):
               file=sys.stderr, flush=True)
 
 
-def actor_learner_threads(args, device):
-    """The actor thread runs its forward passes and procgen's C++ threads, the learner its forward and
-    backward passes, side by side, and torch's thread count is per process. Busy threads beyond the
-    cores preempt each other, and a torch thread team waits for its slowest member: on CPU actor and
-    learner split the cores for torch (measured on the 2-core machine with other jobs running: with 2
-    threads the actor's forward passes ran 9-27x slower and the learner's updates 1.2-1.5x slower than
-    with 1); procgen gets one thread. On GPU procgen gets the cores and torch one thread for its
-    bookkeeping. Returns (env_threads, torch_threads), as ppo_procgen.py's `thread_split`."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # torchrun's ranks on this machine share them
-    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else max(1, cores // 2))
-    return env_threads, torch_threads
+def actor_learner_threads(run):
+    """The actor's forward passes and the learner's forward and backward passes run side by side,
+    and torch's thread count is per process: on a CPU they split the cores that `start_run` gave
+    torch (busy threads beyond the cores preempt each other, and a torch thread team waits for its
+    slowest member: on the 2-core machine under load, 2 threads made the actor's forward passes
+    9-27x slower and the learner's updates 1.2-1.5x slower than 1). --torch-threads N: as given."""
+    if run.device.type == "cpu" and not run.args.torch_threads:
+        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
 
 
 def mean_over_updates(stats):
@@ -1484,64 +1439,14 @@ def mean_over_updates(stats):
     return dict(zip(stats[0], means.tolist()))
 
 
-def log_iteration_and_lags(logger, device, iteration, num_iterations, global_step, start, optimizer,
-                           episode_returns, episode_lengths, recent_returns, losses, times, lags, max_policy_lag):
-    """One row to metrics.jsonl (and TensorBoard, wandb) and one console line, as PPO's
-    `log_iteration`, with the iteration's policy lags (every rank's updates): policy_lag/{mean, max}
-    and policy_lag/count_k for k = 0..max_policy_lag, the updates whose unroll was played with
-    parameters k updates old. SPS and the ETA count from `start`, the (time, global step) where this
-    process began training (a resumed run may begin inside an iteration)."""
-    episode_returns = gather(episode_returns)  # every rank's episodes and lags count
-    episode_lengths = gather(episode_lengths)
+def policy_lag_columns(lags, max_policy_lag):
+    """The iteration's policy lags (every rank's updates) as columns of its row: policy_lag/{mean,
+    max} and policy_lag/count_k for k = 0..max_policy_lag, the updates whose unroll was played with
+    parameters k updates old."""
     lags = gather(lags)
-    recent_returns.extend(episode_returns)
-    elapsed = time.time() - start[0]
-    sps = (global_step - start[1]) / elapsed
-    gpu_memory = None
-    if device.type == "cuda":
-        gpu_memory = torch.cuda.max_memory_allocated() / 2**30
-    lag_counts = np.bincount(lags, minlength=max_policy_lag + 1).tolist()
-    logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/episodes": len(episode_returns),
-                "charts/episodic_return": mean_or_none(episode_returns),
-                "charts/episodic_length": mean_or_none(episode_lengths),
-                "charts/episodic_return_last100": mean_or_none(recent_returns),
-                **{f"losses/{key}": value for key, value in losses.items()},
-                "policy_lag/mean": mean_or_none(lags), "policy_lag/max": max(lags),
-                **{f"policy_lag/count_{lag}": count for lag, count in enumerate(lag_counts)},
-                **{f"time/{key}": seconds for key, seconds in times.items()},
-                "perf/gpu_memory_gb": gpu_memory})
-    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # steps per iteration
-    timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in times.items())
-    returns = "-"
-    if episode_returns:
-        returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
-    print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
-          f"ETA {eta:.1f} min | lag {mean_or_none(lags):.2f} (max {max(lags)}) | return {returns} | pg "
-          f"{losses['policy_loss']:.3f} v {losses['value_loss']:.3f} ent {losses['entropy']:.3f} kl "
-          f"{losses['approx_kl']:.4f}", flush=True)
-
-
-def iteration_record(unfinished, rank, device):
-    """The record an iteration starts from, (lags, update statistics, episode returns, episode
-    lengths): empty, or, first after resuming a run that a signal stopped inside it, this rank's
-    part of the checkpoint's `unfinished` (see `checkpoint_state`), so that the iteration's row
-    covers all of its updates."""
-    if unfinished is None:
-        return [], [], [], []
-    mine = unfinished[rank]
-    stats = [{key: torch.tensor(value, device=device) for key, value in update.items()} for update in mine["stats"]]
-    return mine["lags"], stats, mine["episode_returns"], mine["episode_lengths"]
-
-
-def exit_nonfinite_update(error, path, state, last_saved):
-    """IMPALA's non-finite stop, counted in updates: `state`, whose weights are those before the
-    update that failed, to `path`; then one line, exit 1."""
-    updates = state["updates"]
-    require(save_checkpoint(path, state), f"{error}; its checkpoint could not be written (see above); {last_saved}")
-    raise SystemExit(f"error: {error} in update {updates + 1} (iteration {state['iteration'] + 1}); the weights "
-                     f"before that step, after {updates} updates, are saved in {path}")
+    counts = np.bincount(lags, minlength=max_policy_lag + 1).tolist()
+    return {"policy_lag/mean": mean_or_none(lags), "policy_lag/max": max(lags),
+            **{f"policy_lag/count_{lag}": count for lag, count in enumerate(counts)}}
 
 
 def check_vtrace_inputs(log_rhos, discounts, rewards, values, bootstrap_value, lambda_):

@@ -1,6 +1,7 @@
 """vtrace.py's actor-learner: index alignment of an unroll, the learner's use of it (V-trace, or no correction), the
 parameter hand-over between actor and learner, learning with a throttled lag, reproducible runs with a deterministic
-lag, consistent checkpoints, clean stops (actor errors, Ctrl-C, NaN), and the CLI end to end on Procgen. The V-trace
+lag, consistent checkpoints, clean stops (actor errors, Ctrl-C, NaN; a signal inside an iteration saves the last
+whole one), and the CLI end to end on Procgen. The V-trace
 math is in test_vtrace.py."""
 import contextlib
 import glob
@@ -20,6 +21,7 @@ from conftest import ROOT
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
+import fault_driver
 import forked_run
 import vtrace
 
@@ -114,7 +116,10 @@ def test_unroll_index_alignment():
             running += unroll["rewards"][step].numpy()
             episode_returns += running[unroll["dones"][step].bool().numpy()].tolist()
             running[unroll["dones"][step].bool().numpy()] = 0
-        assert unroll["episode_returns"] == pytest.approx(episode_returns)  # RecordEpisodeStatistics agrees
+        # RecordEpisodeStatistics agrees: each episode's (return, length), in the order they ended
+        assert [r for r, _ in unroll["episodes"]] == pytest.approx(episode_returns)
+        assert [length for _, length in unroll["episodes"]] == [
+            lengths[game] for step in range(T) for game in np.flatnonzero(unroll["dones"][step].numpy())]
         expected_returns += episode_returns
     assert len(expected_returns) == 4 + 3 + 2  # 14 steps in games whose episodes last 3, 4 and 5 steps
 
@@ -370,11 +375,11 @@ def test_deterministic_lag_gives_identical_runs(cue_env, in_tmp):
 
 
 @pytest.mark.parametrize("where", ["actor", "learner", "second_ctrl_c", "nonfinite"])
-def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatch):
-    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes that update and saves a
-    checkpoint whose reward normalizer is the one after the last unroll trained on (while the actor is already
-    playing further); a second Ctrl-C stops at once; a non-finite loss saves the weights from before that step with
-    their update count; none of them leaves a thread behind or hangs."""
+def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatch, capsys):
+    """An actor's exception stops the run with its message; Ctrl-C in the learner finishes that update, starts no
+    other and saves the last whole iteration, whose reward normalizer is the one after its last unroll (while the
+    actor is already playing further); a second Ctrl-C stops at once; a non-finite loss stops the run with one line
+    before its step, the last checkpoint intact; none of them leaves a thread behind or hangs."""
     cue_env(vtrace)
     calls = []
     weights_before = []
@@ -391,10 +396,10 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
     def interrupted_learner(*arguments):
         calls.append(1)
         if len(calls) == 13:  # in iteration 2, after iteration 1 was logged
-            if where == "learner":
-                os.kill(os.getpid(), signal.SIGINT)  # a real first Ctrl-C: the update finishes, then it stops
-            else:
-                raise KeyboardInterrupt  # what the second Ctrl-C raises
+            os.kill(os.getpid(), signal.SIGINT)  # a real first Ctrl-C: the update finishes, then it stops
+            if where == "second_ctrl_c":
+                time.sleep(2.1)  # a second one (within 2 s it would count as torchrun's copy of the first)
+                os.kill(os.getpid(), signal.SIGINT)
         return vtrace_backward(*arguments)
 
     def watched_learner(policy, *arguments):
@@ -412,25 +417,29 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
         "second_ctrl_c": ("vtrace_backward", interrupted_learner), "nonfinite": ("vtrace_loss", nonfinite_loss)}[where])
     expected = {"actor": pytest.raises(ValueError, match="boom in an actor"),
                 "learner": pytest.raises(SystemExit, match="130"), "second_ctrl_c": pytest.raises(SystemExit, match="130"),
-                "nonfinite": pytest.raises(SystemExit, match="non-finite loss .* in update 13 .iteration 2.; the "
-                                           "weights before that step, after 12 updates")}
-    args = cue_args(max_policy_lag=2)
+                "nonfinite": pytest.raises(SystemExit, match=r"^error: non-finite loss nan or gradient; the last "
+                                           r"checkpoint is iteration 1 in runs/.*/checkpoint.pt \(continue with")}
+    args = cue_args(max_policy_lag=2, save_model=where == "nonfinite", save_every=1)
     start = time.time()
-    with expected[where]:
+    with expected[where] as raised:
         vtrace.train(args)
     assert time.time() - start < 30 and not actor_threads()
+    said = {"learner": "interrupted by SIGINT: saved iteration 1 to runs/",
+            "second_ctrl_c": "stopped at once by a second SIGINT: no checkpoint of this run was saved"}
+    assert said.get(where, "") in capsys.readouterr().out
     if where in ("actor", "second_ctrl_c"):
         assert not glob.glob("runs/*/checkpoint*.pt")  # nothing half done was saved
         return
     (path,) = glob.glob("runs/*/checkpoint*.pt")
     saved = load_saved(path)
+    # iteration 1 of 10 updates, whole: update 13 is the 3rd of iteration 2, whose updates are not in it
+    assert saved["iteration"] == 1 and saved["updates"] == 10 and saved["global_step"] == 10 * 128
     if where == "learner":
-        # update 13 is the 3rd of iteration 2: the checkpoint holds iteration 1 and those 3 updates
-        assert saved["iteration"] == 1 and saved["updates"] == 13 and saved["global_step"] == 13 * 128
+        assert len(calls) == 13  # the update in progress finished, none started after the signal
     else:
-        assert saved["iteration"] == 1 and saved["updates"] == 12 and len(weights_before) == 13
+        assert len(str(raised.value).splitlines()) == 1 and len(weights_before) == 13
         for key, value in saved["agent"].items():
-            assert torch.equal(value, weights_before[12][key])  # the weights the bad step started from
+            assert torch.equal(value, weights_before[10][key])  # iteration 1's weights, untouched since
     # The normalizer after exactly the trained unrolls: it counts one return per game per step (from 1e-4).
     trained_steps = saved["updates"] * args.num_envs * args.unroll_length
     (rank_state,) = saved["ranks"]
@@ -438,45 +447,59 @@ def test_errors_and_interrupts_stop_the_actor(where, cue_env, in_tmp, monkeypatc
     assert all(type(value) is float for value in rank_state["reward_rms"])
 
 
-def test_sigterm_stops_after_the_current_update_and_resume_finishes_the_run(cue_env, in_tmp, monkeypatch):
-    """A real SIGTERM during update 13 (the 3rd of iteration 2): that update finishes, no other starts, the checkpoint
-    holds iteration 1 and the 3 updates since (global_step: the steps trained; their lags, losses and episodes), and
-    the run exits 143. --resume does the 7 updates left of iteration 2 and the rest: every iteration logged once and
-    whole, the same total steps and updates."""
-    cue_env(vtrace)
-    calls = []
-    vtrace_backward = vtrace.vtrace_backward
+def signal_at_call(monkeypatch, name, at, signum=signal.SIGTERM):
+    """vtrace.`name`'s `at`-th call sends this process `signum` first; returns the list of calls."""
+    function, calls = getattr(vtrace, name), []
 
-    def signalled_learner(*arguments):
+    def wrapped(*arguments, **keywords):
         calls.append(1)
-        if len(calls) == 13:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return vtrace_backward(*arguments)
+        if len(calls) == at:
+            os.kill(os.getpid(), signum)
+        return function(*arguments, **keywords)
+    monkeypatch.setattr(vtrace, name, wrapped)
+    return calls
 
-    monkeypatch.setattr(vtrace, "vtrace_backward", signalled_learner)
-    iterations = 3  # of 10 updates x 16 games x 8 steps: the 7 updates left of iteration 2, then a whole iteration
-    args = cue_args(save_model=True, save_every=100, total_timesteps=iterations * 1280)
-    with pytest.raises(SystemExit, match="143"):
-        vtrace.train(args)
+
+def without_timing(rows):
+    return [{k: v for k, v in row.items() if not k.startswith(("time", "perf/")) and k != "charts/SPS"} for row in rows]
+
+
+def test_a_signal_inside_an_iteration_saves_the_last_whole_one_and_resumes_as_a_stop_at_its_end(
+        cue_env, in_tmp, monkeypatch, capsys):
+    """A real SIGTERM during update 13 (the 3rd of iteration 2): that update finishes, no other starts, the run exits
+    143, and its checkpoint is iteration 1's as a stop at iteration 1's end saves it, bit for bit (its 10 updates,
+    steps and reward normalizer: iteration 2's updates are dropped). --resume plays iteration 2 from there: both runs
+    end with the same checkpoint and the same rows, every iteration logged once and whole (--deterministic-lag: the
+    same seed gives the same run)."""
+    cue_env(vtrace)
+    flags = dict(save_model=True, save_every=100, total_timesteps=2 * 1280, deterministic_lag=True)
+    with monkeypatch.context() as patch:  # the reference: SIGTERM in iteration 1's log line, saved at its end
+        signal_at_call(patch, "log_iteration", 1)
+        with pytest.raises(SystemExit, match="143"):
+            vtrace.train(cue_args(exp_name="clean", **flags))
+    with monkeypatch.context() as patch:
+        calls = signal_at_call(patch, "vtrace_backward", 13)
+        with pytest.raises(SystemExit, match="143"):
+            vtrace.train(cue_args(exp_name="stopped", **flags))
     assert len(calls) == 13 and not actor_threads()
-    (path,) = glob.glob("runs/*/checkpoint.pt")
-    saved = load_saved(path)
-    assert saved["iteration"] == 1 and saved["updates"] == 13 and saved["global_step"] == 13 * 128
-    assert saved["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 13 * 128, abs=1e-9)
-    (unfinished,) = saved["unfinished"]  # one rank's record of iteration 2 so far
-    assert len(unfinished["lags"]) == len(unfinished["stats"]) == 3 and len(unfinished["episode_returns"]) == 48
-    run_dir = vtrace.train(vtrace.Args(resume=path))
-    assert len(calls) == 10 * iterations and not actor_threads()  # 17 updates more: none repeated, none skipped
-    rows = [r for r in read_rows(run_dir) if "losses/policy_loss" in r]
-    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
-    assert [r["global_step"] for r in rows] == [1280 * i for i in range(1, iterations + 1)]
-    # The resumed iteration 2's row covers all its updates: the 3 before the stop (kept in the checkpoint) and 7 after.
-    assert [sum(r[f"policy_lag/count_{k}"] for k in range(2)) for r in rows] == [10] * iterations
-    assert [r["charts/episodes"] for r in rows] == [160] * iterations  # 16 games x 8-step episodes, one per update
-    resumed = load_saved(path)
-    assert resumed["iteration"] == iterations and resumed["updates"] == 10 * iterations
-    assert resumed["global_step"] == 1280 * iterations
-    assert resumed["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 1280 * iterations, abs=1e-9)
+    assert "interrupted by SIGTERM: saved iteration 1 to runs/" in capsys.readouterr().out
+    paths = {name: glob.glob(f"runs/*__{name}__*/checkpoint.pt")[0] for name in ("clean", "stopped")}
+    clean, stopped = (load_saved(paths[name]) for name in ("clean", "stopped"))
+    assert stopped["iteration"] == 1 and stopped["updates"] == 10 and stopped["global_step"] == 1280
+    assert stopped["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + 1280, abs=1e-9)
+    assert fault_driver.differences(clean, stopped) == []
+
+    finished = {name: vtrace.train(vtrace.Args(resume=path)) for name, path in paths.items()}
+    assert not actor_threads()
+    rows = {name: read_rows(run_dir) for name, run_dir in finished.items()}
+    trained = [r for r in rows["stopped"] if "losses/policy_loss" in r]
+    assert [r["iteration"] for r in trained] == [1, 2] and [r["global_step"] for r in trained] == [1280, 2560]
+    assert [sum(r[f"policy_lag/count_{k}"] for k in range(2)) for r in trained] == [10, 10]
+    assert [r["charts/episodes"] for r in trained] == [160, 160]  # 16 games x 8-step episodes, one per update
+    assert without_timing(rows["stopped"]) == without_timing(rows["clean"])
+    ends = {name: load_saved(os.path.join(run_dir, "checkpoint.pt")) for name, run_dir in finished.items()}
+    assert ends["stopped"]["iteration"] == 2 and ends["stopped"]["updates"] == 20
+    assert fault_driver.differences(ends["stopped"], ends["clean"]) == []
 
 
 def test_actor_stop_is_bounded_and_a_ctrl_c_during_it_does_not_escape(capsys):
@@ -514,8 +537,8 @@ TINY = ["--env-id", "starpilot", "--num-envs", "4", "--unroll-length", "8", "--u
 
 
 def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
-    """Real Procgen: metrics and checkpoints; SIGTERM stops after the current update (25 in an iteration), within
-    seconds, and saves; --resume finishes the same total; --eval-only loads and films."""
+    """Real Procgen: metrics and checkpoints; SIGTERM stops at the next update (25 in an iteration), within seconds,
+    and saves the last whole iteration; --resume finishes the same total; --eval-only loads and films."""
     total = 800 * 4  # 4 iterations of 25 updates x 4 unrolls x 8 steps
     process = forked_run.ForkedRun(os.path.join(ROOT, "vtrace.py"),
                                    [*TINY, "--total-timesteps", str(total), "--save-model", "--save-every", "1"],
@@ -533,8 +556,8 @@ def test_end_to_end_interrupt_resume_and_eval_only(in_tmp):
     (run,) = os.listdir("runs")
     path = os.path.join("runs", run, "checkpoint.pt")
     saved = load_saved(path)
-    assert 1 <= saved["iteration"] < 4 and saved["iteration"] == saved["updates"] // 25
-    assert saved["global_step"] == saved["updates"] * 32  # the steps trained, a part of an iteration included
+    assert 1 <= saved["iteration"] < 4 and saved["updates"] == 25 * saved["iteration"]  # whole iterations
+    assert saved["global_step"] == saved["updates"] * 32
     assert set(saved) >= {"agent", "optimizer", "ranks", "args", "global_step", "iteration", "updates"}
     assert saved["ranks"][0]["reward_rms"][2] == pytest.approx(1e-4 + saved["global_step"], abs=1e-9)
 
@@ -631,8 +654,8 @@ def test_cuda_snapshot_memory_is_not_reused_while_the_actor_copies():
 def cuda_actor():
     """An Actor on the GPU that is never started: its stream and its queue, for the unroll hand-over."""
     device = torch.device("cuda")
-    return vtrace.Actor(nn.Linear(2, 2).to(device), None, vtrace.PolicySnapshots(keep=1), cue_args(), device,
-                        first_version=0, seed=0, autocast=contextlib.nullcontext)
+    return vtrace.Actor(nn.Linear(2, 2).to(device), None, vtrace.PolicySnapshots(keep=1), cue_args(),
+                        first_version=0, seed=0)
 
 
 def hand_over_unroll(actor, busy):
