@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import io
 import json
+import math
 import os
 import pickle
 import random
@@ -134,8 +135,8 @@ class Args:
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run of this checkpoint with its flags, bit for bit as if never stopped, but for
-    the games in progress (fresh ones; docs/reliability.md)"""
+    """continue the run of this checkpoint with its flags, weights, optimizer, RNG and reward
+    statistics as saved; the games in progress start afresh (docs/reliability.md)"""
     eval_only: bool = False
     """only evaluate the agent of --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
@@ -905,12 +906,12 @@ class StopOnSignal:
 
 
 def end_run(run, closing, error, signum):
-    """How a run ends: after a signal, with the last whole iteration saved and exit 128 + signal;
-    after a non-finite loss, with one line and exit 1 (the last checkpoint is intact: the step that
-    would have put a NaN in the weights was not taken). The games, the log and the process group
-    are closed first."""
+    """How a run ends, once the games, the log and the process group are closed: after a signal,
+    with the last whole iteration saved and exit 128 + signal; after a non-finite loss, with one
+    line and exit 1 (the last checkpoint is intact: the step that would have put a NaN in the
+    weights was not taken)."""
+    close_run(run, closing)  # IMPALA's actor first: it plays no further while the checkpoint is written
     saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
-    close_run(run, closing)
     name = signal.Signals(signum).name
     if isinstance(error, Interrupted) and saved_now:
         print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
@@ -1175,10 +1176,12 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Each numeric flag in its range; None means unset (NaN is in no range)."""
+    """Each numeric flag finite (--max-grad-norm may be inf: no clipping) and in its range; None
+    means unset."""
     for flag in (*positive, *non_negative, *fractions):
         value, name = getattr(args, flag), "--" + flag.replace("_", "-")
         if value is not None:
+            require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
             require(flag not in positive or value > 0, f"{name} {value} must be > 0")
             require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
             require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")

@@ -164,8 +164,8 @@ class Args:
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
     the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
-    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
-                         args.env_threads, args.env_backend)
+    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, num_levels=args.num_levels,
+                         start_level=args.start_level, num_threads=args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
 
@@ -696,8 +696,8 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
     with N = 0 training covers them all."""
     if num_episodes == 0:  # more ranks than evaluation episodes
         return []
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads, args.env_backend))
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, args.env_backend,
+                                                 num_threads=args.env_threads))
     obs, _ = envs.reset(seed=seed)
     returns = np.full(num_episodes, np.nan)
     frames = [obs[0]]
@@ -740,13 +740,12 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0,
-                 num_threads=1, backend="auto"):
+    def __init__(self, num_envs, env_id, distribution_mode="easy", backend="auto", **options):
+        """`options`: procgen's num_levels, start_level and num_threads (its defaults: 0, 0, 1)."""
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
         self.backend = procgen_backend(backend)
-        self.options = dict(env_name=env_id, distribution_mode=distribution_mode,
-                            num_levels=num_levels, start_level=start_level, num_threads=num_threads)
+        self.options = dict(env_name=env_id, distribution_mode=distribution_mode, **options)
         self.num_envs = num_envs
         self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
@@ -878,8 +877,9 @@ def run_folder(args, checkpoint, rank):
     if args.resume:
         directory = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(directory, os.W_OK), f"--resume {args.resume}: folder not writable")
-        for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True) if rank == 0 else ():
-            os.remove(path)
+        if rank == 0:  # the .tmp files of killed writes (the files they were to replace are whole)
+            for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True):
+                os.remove(path)
         return checkpoint["run_name"], directory
     kind = "__eval" if args.eval_only else ""
     name = [f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}_{secrets.token_hex(4)}{kind}"]
@@ -1003,12 +1003,12 @@ class StopOnSignal:
 
 
 def end_run(run, closing, error, signum):
-    """How a run ends: after a signal, with the last whole iteration saved and exit 128 + signal;
-    after a non-finite loss, with one line and exit 1 (the last checkpoint is intact: the step that
-    would have put a NaN in the weights was not taken). The games, the log and the process group
-    are closed first."""
+    """How a run ends, once the games, the log and the process group are closed: after a signal,
+    with the last whole iteration saved and exit 128 + signal; after a non-finite loss, with one
+    line and exit 1 (the last checkpoint is intact: the step that would have put a NaN in the
+    weights was not taken)."""
+    close_run(run, closing)  # IMPALA's actor first: it plays no further while the checkpoint is written
     saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
-    close_run(run, closing)
     name = signal.Signals(signum).name
     if isinstance(error, Interrupted) and saved_now:
         print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
@@ -1276,10 +1276,12 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Each numeric flag in its range; None means unset (NaN is in no range)."""
+    """Each numeric flag finite (--max-grad-norm may be inf: no clipping) and in its range; None
+    means unset."""
     for flag in (*positive, *non_negative, *fractions):
         value, name = getattr(args, flag), "--" + flag.replace("_", "-")
         if value is not None:
+            require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
             require(flag not in positive or value > 0, f"{name} {value} must be > 0")
             require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
             require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")

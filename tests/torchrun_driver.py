@@ -33,16 +33,16 @@ if os.environ.get("FAIL_RANK") == str(rank):
         return original(*args, **kwargs)
     setattr(module, os.environ["FAIL_FUNCTION"], failing)
 if os.environ.get("WAIT_FOR_SIGNAL"):
-    requested = module.StopOnSignal.requested
+    check = module.StopOnSignal.check
 
-    def requested_once_signalled(self):
-        if self.last_checkpoint is not None and not getattr(self, "waited", False):
+    def check_once_signalled(self):
+        if self.run.saved is not None and not getattr(self, "waited", False):
             self.waited = True
             deadline = time.time() + 120
-            while not self.signals and time.time() < deadline:
+            while self.signum is None and time.time() < deadline:
                 time.sleep(0.05)  # the signal's handler runs during the sleep
-        return requested(self)
-    module.StopOnSignal.requested = requested_once_signalled
+        return check(self)
+    module.StopOnSignal.check = check_once_signalled
 agents, make_agent = [], module.Agent
 module.Agent = lambda *args, **kwargs: agents.append(make_agent(*args, **kwargs)) or agents[-1]
 
