@@ -473,22 +473,23 @@ def ppg_aux_loss(logits, old_logits, value, aux_value, value_targets, beta_clone
     return aux_value_loss + beta_clone * kl + true_value_loss, (aux_value_loss, kl, true_value_loss)
 
 
-def aux_rollouts_per_rank(args, world_size):
+def aux_rollouts_per_rank(args, world_size=None):
     """The auxiliary minibatch: whole rollouts, split evenly among the ranks. The PPG code takes 4
     rollouts per worker of 64 games, so by default each rank takes 4 per 64 of its games;
     --num-aux-rollouts sets the total over all ranks instead. Returns this rank's share."""
+    world_size = world_size or num_ranks()
     if args.num_aux_rollouts is not None:
         return args.num_aux_rollouts // world_size
     return max(1, args.num_envs // world_size // 16)
 
 
-def auxiliary_phase(forward_aux, optimizer, buffer, args, autocast, check_stop=None):
-    """PPG Algorithm 1's auxiliary phase on B's whole rollouts: buffer["obs"] [R, T, 64, 64, 3] and
-    their V_targ, buffer["value_targets"] [R, T]. Returns mean losses. `check_stop()`, called before
-    each minibatch, may raise to drop the phase (a signal)."""
-    aux_obs, aux_value_targets = buffer["obs"], buffer["value_targets"]
-    device = optimizer.param_groups[0]["params"][0].device
-    rollouts_per_minibatch = aux_rollouts_per_rank(args, num_ranks())  # this rank's share of a minibatch
+def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, check_stop=None):
+    """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their
+    V_targ in aux_value_targets [R, T]. Returns mean losses. `check_stop()`, called before each
+    minibatch, may raise to drop the phase (a signal)."""
+    device = optimizer.param_groups[0]["params"][0].device  # the networks'
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)  # as train's
+    rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
         for obs in aux_obs.split(rollouts_per_minibatch):  # slices of a pinned B copy asynchronously
@@ -527,7 +528,7 @@ def train(args):
     local_envs = args.num_envs // run.world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
-    aux_buffer = allocate_buffer(run)  # PPG's buffer B (None without auxiliary phases)
+    aux_obs, aux_value_targets = allocate_buffer(run)  # PPG's buffer B (None without auxiliary phases)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -606,8 +607,8 @@ def train(args):
             # "Add all (s_t, V_targ(s_t)) to B": one slot per iteration of the phase, each holding
             # every game's whole rollout, [games, T] (the rollout is [T, games]).
             if args.e_aux:
-                aux_buffer["obs"][(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
-                aux_buffer["value_targets"][(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
+                aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
+                aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
 
             # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
             stats.update({"time/rollout": update_start - rollout_start, "time/env": env_seconds,
@@ -620,9 +621,9 @@ def train(args):
             if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
                 # A run resumed inside this phase has filled only the slots of its own iterations.
                 filled = min(args.n_pi, iteration - start_iteration + 1)
-                buffer = {key: part[-filled:].flatten(0, 1) for key, part in aux_buffer.items()}
                 aux_phase_start = time.perf_counter()
-                aux_stats = auxiliary_phase(forward_aux, aux_optimizer, buffer, args, autocast, stop.check)
+                aux_stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
+                                            aux_value_targets[-filled:].flatten(0, 1), args, stop.check)
                 aux_stats.update({"time/policy_phase": aux_phase_start - policy_phase_start,
                                   "time/aux_phase": time.perf_counter() - aux_phase_start})
                 log_aux_phase(run, iteration, global_step, aux_stats)
@@ -830,13 +831,14 @@ class FramesToDevice:
 
 
 def allocate_buffer(run):
-    """PPG's buffer B of this rank's games (None without auxiliary phases): on the GPU when it takes
-    less than half of its free memory (--aux-buffer auto), else in host memory, pinned on a CUDA
-    run (asynchronous copies). A B that cannot be allocated stops the run with one line (on Linux
-    an unpinned B that fits only partly in memory is allocated: the kernel may stop the run later)."""
+    """PPG's buffer B of this rank's games: frames [N_pi, games, T, 64, 64, 3] and their V_targ
+    [N_pi, games, T]; (None, None) without auxiliary phases. On the GPU when B takes less than half
+    of its free memory (--aux-buffer auto), else in host memory, pinned on a CUDA run (asynchronous
+    copies). A B that cannot be allocated stops the run with one line (on Linux an unpinned B that
+    fits only partly in memory is allocated: the kernel may stop the run later)."""
     args, device = run.args, run.device
     if not args.e_aux or args.eval_only:
-        return None
+        return None, None
     leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
     if leftover:
         print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
@@ -846,8 +848,7 @@ def allocate_buffer(run):
     on_gpu = args.aux_buffer == "cuda" or args.aux_buffer == "auto" and size < free / 2
     where = {"device": device if on_gpu else torch.device("cpu"), "pin_memory": device.type == "cuda" and not on_gpu}
     try:
-        return {"obs": torch.empty((*shape, 64, 64, 3), dtype=torch.uint8, **where),
-                "value_targets": torch.empty(shape, **where)}
+        return torch.empty((*shape, 64, 64, 3), dtype=torch.uint8, **where), torch.empty(shape, **where)
     except RuntimeError:  # out of memory (torch.OutOfMemoryError on a GPU)
         raise SystemExit(f"error: PPG's buffer B needs {size / 2**30:.1f} GiB per rank (--n-pi {args.n_pi} x "
                          f"--num-envs {args.num_envs} / {run.world_size} ranks x --num-steps {args.num_steps} "

@@ -62,8 +62,7 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_before, kl_before, value_before = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert kl_before == 0  # pi_old is the starting policy
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, dict(obs=aux_obs, value_targets=aux_returns), args,
-                                contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
     assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
@@ -78,8 +77,7 @@ def test_kl_is_zero_when_nothing_moves():
     agent = ppg.Agent(args, num_actions=15)
     aux_obs, aux_returns = cue_buffer()
     optimizer = torch.optim.Adam(agent.parameters(), lr=0.0)
-    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, dict(obs=aux_obs, value_targets=aux_returns), args,
-                                contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
     assert abs(stats["aux/kl"]) < 1e-7 and stats["aux/value_loss"] > 0.1
 
 
@@ -91,8 +89,7 @@ def test_gradient_accumulation_gives_the_same_step():
         args = tiny_args(e_aux=1, num_aux_rollouts=4, n_aux_grad_accum=accum)
         agent = ppg.Agent(args, num_actions=15)
         optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
-        ppg.auxiliary_phase(agent.forward_aux, optimizer, dict(obs=aux_obs, value_targets=aux_returns), args,
-                            contextlib.nullcontext)
+        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
         results.append(torch.cat([p.flatten() for p in agent.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
 
@@ -224,9 +221,7 @@ def test_buffer_is_on_the_gpu_when_it_takes_under_half_of_its_free_memory(aux_bu
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 200 * DEFAULT_B))
     monkeypatch.setattr(torch, "empty", empty)
     run = types.SimpleNamespace(args=ppg.Args(aux_buffer=aux_buffer), device=torch.device(device), world_size=1)
-    buffer = ppg.allocate_buffer(run)
-    assert placed == [place, place] and buffer["obs"] == (32, 64, 256, 64, 64, 3) and buffer["value_targets"] == (
-        32, 64, 256)
+    assert ppg.allocate_buffer(run) == ((32, 64, 256, 64, 64, 3), (32, 64, 256)) and placed == [place, place]
 
     def out_of_memory(*arguments, **keywords):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
@@ -310,7 +305,7 @@ def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, mo
                                         num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0,
                                         eval_episodes=2, n_pi=2, e_aux=0, save_every=2, torch_threads=1)))
     assert len([r for r in rows if "losses/policy_loss" in r]) == 4 and not any("aux/kl" in r for r in rows)
-    assert buffers == [None]
+    assert buffers == [(None, None)]
 
 
 def test_each_network_is_clipped_on_its_own():
@@ -417,7 +412,7 @@ def resume_to_the_end(monkeypatch, path):
     aux_phase, rollouts = ppg.auxiliary_phase, []
 
     def recording(*arguments, **keywords):
-        rollouts.append(arguments[2]["obs"].shape[0])
+        rollouts.append(arguments[2].shape[0])
         return aux_phase(*arguments, **keywords)
 
     monkeypatch.setattr(ppg, "auxiliary_phase", recording)
