@@ -4,8 +4,8 @@ targets into the policy network while a KL term keeps the policy in place, with 
 and reward normalization of the Procgen benchmark (Cobbe et al. 2020, arXiv 1912.01588).
 
 Run:  python ppg_procgen.py --env-id starpilot          (all flags: python ppg_procgen.py --help)
-Read top to bottom: `train` shows both phases of the paper's Algorithm 1 (docs/ppg.md maps each line
-to the code); the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
+Read top to bottom: `train` shows both phases of the paper's Algorithm 1 (docs/ppg.md maps its lines);
+the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
 import collections
 import contextlib
 import datetime
@@ -831,11 +831,10 @@ class FramesToDevice:
 
 
 def allocate_buffer(run):
-    """PPG's buffer B of this rank's games: frames [N_pi, games, T, 64, 64, 3] and their V_targ
-    [N_pi, games, T]; (None, None) without auxiliary phases. On the GPU when B takes less than half
-    of its free memory (--aux-buffer auto), else in host memory, pinned on a CUDA run (asynchronous
-    copies). A B that cannot be allocated stops the run with one line (on Linux an unpinned B that
-    fits only partly in memory is allocated: the kernel may stop the run later)."""
+    """PPG's buffer B of this rank's games, frames and V_targ ((None, None) without auxiliary phases): on
+    the GPU when it takes less than half of its free memory (--aux-buffer auto), else in host memory,
+    pinned on a CUDA run (asynchronous copies). One that cannot be allocated stops the run with one line
+    (on Linux an unpinned B that fits only partly is allocated: the kernel may stop the run later)."""
     args, device = run.args, run.device
     if not args.e_aux or args.eval_only:
         return None, None
