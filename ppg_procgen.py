@@ -488,7 +488,7 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, ch
     V_targ in aux_value_targets [R, T]. Returns mean losses. `check_stop()`, called before each
     minibatch, may raise to drop the phase (a signal)."""
     device = optimizer.param_groups[0]["params"][0].device  # the networks'
-    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)  # as train's
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
@@ -528,7 +528,7 @@ def train(args):
     local_envs = args.num_envs // run.world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
-    aux_obs, aux_value_targets = allocate_buffer(run)  # PPG's buffer B (None without auxiliary phases)
+    aux_obs, aux_value_targets = allocate_buffer(run)  # PPG's buffer B (if auxiliary phases)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -831,10 +831,10 @@ class FramesToDevice:
 
 
 def allocate_buffer(run):
-    """PPG's buffer B of this rank's games, frames and V_targ ((None, None) without auxiliary phases): on
-    the GPU when it takes less than half of its free memory (--aux-buffer auto), else in host memory,
-    pinned on a CUDA run (asynchronous copies). One that cannot be allocated stops the run with one line
-    (on Linux an unpinned B that fits only partly is allocated: the kernel may stop the run later)."""
+    """PPG's buffer B of this rank's games, frames and V_targ ((None, None) without auxiliary
+    phases): on the GPU when it takes less than half of its free memory (--aux-buffer auto), else
+    in host memory, pinned on a CUDA run (asynchronous copies). One that cannot be allocated stops
+    the run with one line (on Linux an unpinned B that fits only partly is allocated all the same)."""
     args, device = run.args, run.device
     if not args.e_aux or args.eval_only:
         return None, None
@@ -845,19 +845,20 @@ def allocate_buffer(run):
     size = shape[0] * shape[1] * shape[2] * (64 * 64 * 3 + 4)  # bytes: frames and V_targ
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     on_gpu = args.aux_buffer == "cuda" or args.aux_buffer == "auto" and size < free / 2
-    where = {"device": device if on_gpu else torch.device("cpu"), "pin_memory": device.type == "cuda" and not on_gpu}
+    where = dict(device=device if on_gpu else "cpu", pin_memory=device.type == "cuda" and not on_gpu)
     try:
-        return torch.empty((*shape, 64, 64, 3), dtype=torch.uint8, **where), torch.empty(shape, **where)
+        obs = torch.empty((*shape, 64, 64, 3), dtype=torch.uint8, **where)
+        return obs, torch.empty(shape, **where)
     except RuntimeError:  # out of memory (torch.OutOfMemoryError on a GPU)
-        raise SystemExit(f"error: PPG's buffer B needs {size / 2**30:.1f} GiB per rank (--n-pi {args.n_pi} x "
-                         f"--num-envs {args.num_envs} / {run.world_size} ranks x --num-steps {args.num_steps} "
-                         f"frames), more than {where['device'].type} memory can hold; lower --n-pi or --num-envs, "
-                         "or set --aux-buffer") from None
+        raise SystemExit(f"error: PPG's buffer B needs {size / 2**30:.1f} GiB per rank (--n-pi "
+                         f"{args.n_pi} x --num-envs {args.num_envs} / {run.world_size} ranks x "
+                         f"--num-steps {args.num_steps} frames), more than {'GPU' if on_gpu else 'host'} "
+                         "memory can hold; lower --n-pi or --num-envs, or set --aux-buffer") from None
 
 
 def rollouts_to_device(buffer, index, device):
-    """The rollouts `index` of one of B's tensors, on the device; out of pinned host memory through a
-    new pinned block (`buffer[index]` would be unpinned: its copy could not be asynchronous)."""
+    """The rollouts `index` of one of B's tensors, on the device; out of pinned host memory through
+    a new pinned block (`buffer[index]` would be unpinned: its copy could not be asynchronous)."""
     block = torch.empty((len(index), *buffer.shape[1:]), dtype=buffer.dtype, device=buffer.device,
                         pin_memory=buffer.is_pinned())
     return torch.index_select(buffer, 0, index, out=block).to(device, non_blocking=True)
@@ -1193,9 +1194,9 @@ def log_aux_phase(run, iteration, global_step, stats):
     """An auxiliary phase's row (its mean losses and seconds, with those of the policy phase
     before it) and its console line."""
     run.logger.log({"global_step": global_step, "iteration": iteration, **stats})
-    losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in stats.items() if key.startswith("aux/"))
-    print(f"aux phase: policy phase {stats['time/policy_phase']:.1f}s, aux phase {stats['time/aux_phase']:.1f}s | "
-          f"{losses}", flush=True)
+    losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in stats.items() if "aux/" in key)
+    print(f"aux phase: policy phase {stats['time/policy_phase']:.1f}s, aux phase "
+          f"{stats['time/aux_phase']:.1f}s | {losses}", flush=True)
 
 
 def checkpoint_state(run, iteration, agent, optimizers, normalizer, kl_beta):

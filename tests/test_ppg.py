@@ -197,7 +197,7 @@ def test_a_buffer_that_does_not_fit_fails_with_one_line_before_anything_big(in_t
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     gib = 100_000 * 64 * 256 * (64 * 64 * 3 + 4) / 2**30
     with pytest.raises(SystemExit, match=rf"^error: PPG's buffer B needs {gib:.1f} GiB per rank \(--n-pi 100000 x "
-                                         r"--num-envs 64 / 1 ranks x --num-steps 256 frames\), more than cpu memory "
+                                         r"--num-envs 64 / 1 ranks x --num-steps 256 frames\), more than host memory "
                                          r"can hold; lower --n-pi or --num-envs, or set --aux-buffer$"):
         ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
@@ -215,7 +215,7 @@ def test_buffer_is_on_the_gpu_when_it_takes_under_half_of_its_free_memory(aux_bu
     placed = []
 
     def empty(shape, dtype=torch.float32, device=None, pin_memory=False):
-        placed.append((torch.device(device).type, pin_memory))
+        placed.append((torch.device(device).type, pin_memory))  # "cpu" or a torch.device
         return shape
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 200 * DEFAULT_B))
@@ -227,7 +227,8 @@ def test_buffer_is_on_the_gpu_when_it_takes_under_half_of_its_free_memory(aux_bu
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
 
     monkeypatch.setattr(torch, "empty", out_of_memory)
-    with pytest.raises(SystemExit, match=f"more than {place[0]} memory can hold; lower --n-pi or --num-envs, or set "
+    memory = {"cuda": "GPU", "cpu": "host"}[place[0]]
+    with pytest.raises(SystemExit, match=f"more than {memory} memory can hold; lower --n-pi or --num-envs, or set "
                                          "--aux-buffer"):
         ppg.allocate_buffer(run)
 
