@@ -4,25 +4,24 @@ targets into the policy network while a KL term keeps the policy in place, with 
 and reward normalization of the Procgen benchmark (Cobbe et al. 2020, arXiv 1912.01588).
 
 Run:  python ppg_procgen.py --env-id starpilot          (all flags: python ppg_procgen.py --help)
-Read top to bottom: `train` shows both phases of the paper's Algorithm 1 (docs/ppg.md maps each line
-to the code); the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints)."""
+Read top to bottom: `train` shows both phases of the paper's Algorithm 1 (docs/ppg.md maps its lines);
+the appendix below `train` is plumbing (evaluation, torchrun, logs, checkpoints, signals, flags)."""
 import collections
 import contextlib
-import copy
 import datetime
 import functools
 import glob
 import importlib.util
 import io
 import json
-import math
 import os
 import pickle
 import random
+import secrets
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 import gymnasium as gym
@@ -71,18 +70,15 @@ class Args:
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
-    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its Eq. 8: r A - beta KL to the
-    rollout's policy)"""
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its section 4: r A - beta KL(pi_old || pi))"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
     """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
-    """beta_S: weight of the entropy bonus S[pi] in the policy phase's L^clip + beta_S S[pi]"""
-    vf_coef: float = 1.0
-    """weight of L^value = 1/2 E[(V - V_targ)^2] (PPG Eq. 2) in the policy phase: 1 as in the
-    paper; the PPG code's 0.5 x mean squared error is the same loss. (PPO's 0.5 would halve it,
-    and Adam's epsilon then changes the value network's steps.)"""
+    """entropy bonus coefficient"""
+    vf_coef: float = 1.0  # PPG Eq. 2: weight 1 of 1/2 E[(V - V_targ)^2] (the PPG code's 0.5 MSE)
+    """value loss coefficient"""
     max_grad_norm: float = float("inf")
     """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
@@ -117,63 +113,57 @@ class Args:
     """first training level seed (evaluation draws from the unbounded level distribution: see `evaluate`)"""
     env_backend: Literal["auto", "procgen", "envpool"] = "auto"
     """the games' implementation, both built from Procgen 0.10.7's C++ code: procgen-mirror (the official
-    package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (other platforms); auto: whichever is installed,
-    procgen-mirror first. The same seed plays the same levels on both (docs/platforms.md)"""
+    package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (elsewhere); auto: the one installed"""
     num_envs: int = 64
     """parallel game instances (one procgen vector env)"""
-    # Experiment
+    # The run: seed and length; evaluation; logs; checkpoints; speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run name)"""
+    """the experiment's name, part of the run's name"""
     seed: int = 1
-    """seed of python, numpy, torch and procgen's level generator: the same seed gives the same run on CPU"""
+    """seed of python, numpy, torch and the games: the same seed gives the same run on a CPU"""
+    total_timesteps: int = 25_000_000
+    """environment steps of the whole run (rounded down to whole iterations)"""
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms"""
     cuda: bool = True
     """use the GPU when one is available"""
-    total_timesteps: int = 25_000_000
-    """environment steps of the whole run (rounded down to whole iterations of num_envs * num_steps)"""
-    # Evaluation, logging, checkpoints
     eval_every: int = 100
-    """evaluate on held-out levels every this many iterations (and at the end); 0: only at the end"""
+    """evaluate on held-out levels every this many iterations and at the end (0: only at the end)"""
     eval_episodes: int = 32
     """evaluation episodes, one per env so that short episodes are not over-counted"""
-    on_track: bool = True
-    """at each evaluation, the last 100 episodes against the anchors' runs at that step (benchmarks/reference)"""
     capture_video: bool = False
-    """write an MP4 of one episode at each evaluation to runs/<run_name>/videos/ (uploaded with --track)"""
+    """film one episode of each evaluation to runs/<run>/videos/*.mp4"""
     track: bool = False
-    """log to Weights & Biases"""
+    """log to Weights & Biases too"""
     wandb_project: str = "rl-reference"
     """wandb project"""
     wandb_entity: Optional[str] = None
     """wandb entity (user or team)"""
     wandb_mode: Literal["online", "offline"] = "online"
-    """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
+    """'offline': log to ./wandb without an account (`wandb sync` later)"""
     save_model: bool = False
-    """write runs/<run_name>/checkpoint.pt every --save-every iterations and at the end"""
+    """write runs/<run>/checkpoint.pt every --save-every iterations and at the end"""
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run saved in this checkpoint, to its original total steps: weights, optimizer,
-    flags, RNG and reward statistics as they were after its iteration, bit for bit; not the games in
-    progress (fresh ones, seeded by the iteration; docs/reliability.md)"""
+    """continue the run of this checkpoint with its flags, bit for bit as if never stopped, but for
+    the games in progress (fresh ones; docs/reliability.md)"""
     eval_only: bool = False
-    """only evaluate the agent in --checkpoint (with --capture-video: and film it)"""
+    """only evaluate the agent of --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
-    """checkpoint to evaluate with --eval-only"""
-    # Speed
+    """the checkpoint that --eval-only evaluates"""
     env_threads: int = 0
-    """procgen worker threads; 0 picks a value from the machine's cores (see `thread_split`)"""
+    """procgen worker threads (0: one on a CPU, the cores on a GPU: see `start_run`)"""
     torch_threads: int = 0
-    """torch CPU threads; 0 picks a value from the machine's cores (see `thread_split`)"""
+    """torch CPU threads (0: the cores on a CPU, one on a GPU)"""
     channels_last: bool = True
-    """NHWC memory layout for the convolutions' inputs and weights (faster on GPUs and on CPUs)"""
+    """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
-    """bfloat16 autocast of the forward passes (losses stay float32); off, as in the papers (CleanRL's PPG: unstable)"""
+    """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
     aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
-    """where the auxiliary buffer lives: on the GPU when it fits ('auto'), else pinned host RAM"""
+    """where B lives: on the GPU when it fits ('auto': in half its free memory), else in host memory"""
     n_aux_grad_accum: int = 1
     """split each auxiliary minibatch into this many chunks, accumulating gradients (small GPUs)"""
 
@@ -453,8 +443,8 @@ def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_
             optimizer.step()
             with torch.no_grad():
                 minibatch_stats = {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": entropy.mean(),
-                                   "old_approx_kl": (-log_ratio).mean(),
                                    "approx_kl": ((ratio - 1) - log_ratio).mean(),
+                                   "old_approx_kl": (-log_ratio).mean(),
                                    "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean()}
                 for key, value in minibatch_stats.items():
                     stats[key] = stats.get(key, 0.0) + value
@@ -493,26 +483,30 @@ def aux_rollouts_per_rank(args, world_size=None):
     return max(1, args.num_envs // world_size // 16)
 
 
-def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, device, autocast, *,
-                    stop_requested=None):
+def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, check_stop=None):
     """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their
-    V_targ in aux_value_targets [R, T]; `stop_requested()`, asked after each minibatch, ends it."""
+    V_targ in aux_value_targets [R, T]. Returns mean losses. `check_stop()`, called before each
+    minibatch, may raise to drop the phase (a signal)."""
+    device = optimizer.param_groups[0]["params"][0].device  # the networks'
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
         for obs in aux_obs.split(rollouts_per_minibatch):  # slices of a pinned B copy asynchronously
+            if check_stop is not None:
+                check_stop()
             old_logits.append(forward_aux(obs.to(device, non_blocking=True).flatten(0, 1))[0].float())
-            if stop_requested is not None and stop_requested():  # no step taken: skip the whole phase
-                return {}
     old_logits = torch.cat(old_logits).unflatten(0, aux_obs.shape[:2])  # [R, T, actions]
     totals = torch.zeros(3, device=device)
-    steps_taken = 0
     schedule = [(epoch, minibatch) for epoch in range(args.e_aux)  # each epoch a new shuffle of B
                 for minibatch in torch.randperm(len(aux_obs), device=aux_obs.device).split(rollouts_per_minibatch)]
     for epoch, minibatch in schedule:  # "Optimize L_joint wrt theta_pi, and L_value wrt theta_V"
+        if check_stop is not None:
+            check_stop()
         optimizer.zero_grad(set_to_none=True)
         for chunk in minibatch.chunk(args.n_aux_grad_accum):  # each weighted by its size (they may differ)
-            obs, value_targets = rollouts_to_device((aux_obs, aux_value_targets), chunk, device)
+            obs = rollouts_to_device(aux_obs, chunk, device)
+            value_targets = rollouts_to_device(aux_value_targets, chunk, device)
             with autocast():
                 logits, value, aux_value = forward_aux(obs.flatten(0, 1))
             loss, parts = ppg_aux_loss(logits.float(), old_logits[chunk].flatten(0, 1), value.float(),
@@ -524,22 +518,17 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, de
         if not torch.isfinite(grad_norms).all():  # stop before a NaN reaches the weights
             raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
         optimizer.step()
-        steps_taken += 1
-        if stop_requested is not None and stop_requested():  # the rest of the phase is skipped
-            break
-    means = all_reduce_mean(totals / max(steps_taken, 1)).tolist()
+    means = all_reduce_mean(totals / len(schedule)).tolist()
     return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
 
 
 def train(args):
-    args, checkpoint, rank, world_size, device = start_run(args)  # a resumed run: its own flags
-    aux_obs, aux_value_targets = allocate_buffer(args, device, world_size)  # PPG's buffer B
-    args.env_threads, torch_threads = thread_split(args, device)
-    torch.set_num_threads(torch_threads)
-    run_name, run_dir, logger = open_run(args, checkpoint, rank)  # a directory of its own, the log
-    local_envs = args.num_envs // world_size  # this rank's games; --num-envs is global
+    run = start_run(args)  # flags checked, torchrun, device, seeds, the run's folder and log
+    args, device = run.args, run.device  # a resumed run: its checkpoint's flags
+    local_envs = args.num_envs // run.world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
+    aux_obs, aux_value_targets = allocate_buffer(run)  # PPG's buffer B (if auxiliary phases)
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
@@ -548,122 +537,103 @@ def train(args):
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # per phase, as the PPG code
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
-    start_iteration = restore(checkpoint, args, rank, agent, optimizers, envs.env)
+    start_iteration = restore(run, agent, optimizers, envs.env)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
     forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
     if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
-        return evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs)
+        return evaluate_checkpoint(run, agent, envs)
     # Rollout storage lives on the device; frames stay uint8 (4x smaller than float32).
     obs = torch.zeros((args.num_steps, local_envs, 64, 64, 3), dtype=torch.uint8, device=device)
     actions = torch.zeros((args.num_steps, local_envs), dtype=torch.long, device=device)
     log_probs, rewards, dones, values = (torch.zeros((args.num_steps, local_envs), device=device) for _ in range(4))
-    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # for kl-penalty's KL
+    rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
     frames_to_device = FramesToDevice(local_envs, device)
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
-    kl_beta = checkpoint["kl_beta"] if args.resume else kl_beta
+    kl_beta = run.checkpoint["kl_beta"] if args.resume else kl_beta
     # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
-    next_obs = frames_to_device(envs.reset(seed=args.seed + (start_iteration - 1) * world_size + rank)[0])
+    next_obs = frames_to_device(envs.reset(seed=game_seed(args.seed, start_iteration, run.rank))[0])
     next_done = torch.zeros(local_envs, device=device)
     global_step = (start_iteration - 1) * batch_size
-    start = (time.time(), global_step)  # SPS and the ETA count this process's steps
     policy_phase_start = time.perf_counter()
-    trained = start_iteration - 1  # the last iteration whose policy update is done
-    recent_returns = collections.deque(maxlen=100)  # the last 100 training episodes
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
-    # A signal stops at the next rollout step or minibatch and saves the last whole iteration
-    with StopOnSignal(args, checkpoint, device, closing=(envs, logger)) as stop:
-        try:
-            for iteration in range(start_iteration, num_iterations + 1):
-                last_whole = copy.deepcopy(checkpoint_state(  # a copy: the update changes the weights
-                    args, run_name, iteration - 1, agent, optimizers, envs.env, kl_beta))
-                if args.anneal_lr:  # linearly to 0 over the run
-                    for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
-                        group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
+    # A signal stops the run at the next rollout step or minibatch, saving the last whole iteration.
+    with StopOnSignal(run, closing=(envs,)) as stop:
+        for iteration in range(start_iteration, num_iterations + 1):
+            if args.anneal_lr:  # linearly to 0 over the run
+                for group in optimizer.param_groups + aux_optimizer.param_groups:  # both phases
+                    group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
 
-                # Policy phase (PPG Algorithm 1): N_pi PPO iterations; this is one of them.
-                # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
-                episode_returns, episode_lengths = [], []
-                rollout_start, env_seconds = time.perf_counter(), 0.0  # env_seconds: time inside the games
-                for step in range(args.num_steps):
-                    stop.check()  # after a signal: raises Interrupted
-                    global_step += args.num_envs
-                    obs[step] = next_obs
-                    dones[step] = next_done
-                    with torch.no_grad(), autocast():
-                        logits, value = policy(next_obs)
-                    action = sample_action(logits.float())
-                    values[step] = value.float()
-                    actions[step] = action
-                    rollout_logits[step] = logits.float()
-                    log_probs[step] = log_prob_entropy(logits, action)[0]
-                    action_cpu = action.cpu().numpy()  # the step's one host sync
-                    env_start = time.perf_counter()
-                    frames, reward, terminated, truncated, info = envs.step(action_cpu)
-                    env_seconds += time.perf_counter() - env_start
-                    rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
-                    next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
-                    next_obs = frames_to_device(frames)
-                    if "_episode" in info:  # every episode that ended here, not only the first
-                        episode_returns += info["episode"]["r"][info["_episode"]].tolist()
-                        episode_lengths += info["episode"]["l"][info["_episode"]].tolist()
+            # Policy phase (PPG Algorithm 1): N_pi PPO iterations; this is one of them.
+            # 1. Rollout: num_steps steps in each of num_envs games with the current policy.
+            episodes = []  # (return, length) of each episode that ends in this rollout
+            rollout_start, env_seconds = time.perf_counter(), 0.0  # env_seconds: time inside the games
+            for step in range(args.num_steps):
+                stop.check()  # after a signal: raises Interrupted
+                global_step += args.num_envs
+                obs[step] = next_obs
+                dones[step] = next_done
                 with torch.no_grad(), autocast():
-                    next_value = policy(next_obs)[1].float()
+                    logits, value = policy(next_obs)
+                action = sample_action(logits.float())
+                values[step] = value.float()
+                actions[step] = action
+                rollout_logits[step] = logits.float()
+                log_probs[step] = log_prob_entropy(logits, action)[0]
+                action_cpu = action.cpu().numpy()  # the step's one host sync
+                env_start = time.perf_counter()
+                frames, reward, terminated, truncated, info = envs.step(action_cpu)
+                env_seconds += time.perf_counter() - env_start
+                rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
+                next_done = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device, non_blocking=True)
+                next_obs = frames_to_device(frames)
+                if "_episode" in info:  # every episode that ended here, not only the first
+                    finished = info["_episode"]
+                    episodes += zip(info["episode"]["r"][finished].tolist(), info["episode"]["l"][finished].tolist())
+            with torch.no_grad(), autocast():
+                next_value = policy(next_obs)[1].float()
 
-                # 2. Advantages and V_targ = A + V, then 3. the PPO update: L^clip + beta_S S[pi]
-                # for E_pi epochs on theta_pi, L^value for E_V epochs on theta_V.
-                update_start = time.perf_counter()
-                advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
-                value_targets = advantages + values
-                batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
-                             logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
-                             returns=value_targets.flatten(), values=values.flatten())
-                stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast,
-                                   kl_beta, stop.check)
-                trained = iteration  # if the auxiliary phase fails, the checkpoint is this iteration
-                stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
-                if args.policy_loss == "kl-penalty" and args.kl_beta is None:
-                    kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
-                stats["explained_variance"] = explained_variance(value_targets, values)
-                # 4. "Add all (s_t, V_targ(s_t)) to B": one slot per iteration of the phase, each
-                # holding every game's whole rollout, [games, T] (the rollout is [T, games]).
-                if args.e_aux:
-                    aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
-                    aux_value_targets[(iteration - 1) % args.n_pi] = value_targets.transpose(0, 1)
-                times = {"rollout": update_start - rollout_start, "env": env_seconds,
-                         "update": time.perf_counter() - update_start}
-                log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer, episode_returns,
-                              episode_lengths, recent_returns, stats, times)
+            # 2. Advantages and V_targ = A + V, then 3. the PPO update: L^clip + beta_S S[pi]
+            # for E_pi epochs on theta_pi, L^value for E_V epochs on theta_V.
+            update_start = time.perf_counter()
+            advantages = compute_gae(rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda)
+            returns = advantages + values
+            batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
+                         logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
+                         returns=returns.flatten(), values=values.flatten())
+            stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta, stop.check)
+            stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
+            if args.policy_loss == "kl-penalty" and args.kl_beta is None:
+                kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
+            stats["explained_variance"] = explained_variance(returns, values)
+            # "Add all (s_t, V_targ(s_t)) to B": one slot per iteration of the phase, each holding
+            # every game's whole rollout, [games, T] (the rollout is [T, games]).
+            if args.e_aux:
+                aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
+                aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
 
-                # Auxiliary phase (every N_pi iterations). As in the PPG code, none follows the last
-                # iteration, since no policy phase would use what it learned.
-                if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
-                    # A run resumed inside this phase has filled only the slots of its own iterations.
-                    filled = min(args.n_pi, iteration - start_iteration + 1)
-                    aux_phase_start = time.perf_counter()
-                    aux_stats = auxiliary_phase(
-                        forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
-                        aux_value_targets[-filled:].flatten(0, 1), args, device, autocast,
-                        stop_requested=stop.requested)
-                    log_aux_phase(logger, iteration, global_step, aux_stats, policy_phase_start,
-                                  aux_phase_start)
-                    policy_phase_start = time.perf_counter()
+            # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
+            stats.update({"time/rollout": update_start - rollout_start, "time/env": env_seconds,
+                          "time/update": time.perf_counter() - update_start,
+                          "charts/learning_rate": optimizer.param_groups[0]["lr"]})
+            log_iteration(run, iteration, global_step, episodes, stats)
 
-                # 5. Evaluate, save a checkpoint and stop where the flags or a signal ask.
-                if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
-                    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration, global_step)
-                stopping = stop.requested()  # every rank asks, after every iteration: all stop at the same one
-                if stopping or args.save_model and (iteration % args.save_every == 0 or iteration == num_iterations):
-                    state = checkpoint_state(args, run_name, iteration, agent, optimizers, envs.env, kl_beta)
-                    stop.save(checkpoint_path, state, final=iteration == num_iterations)
-                if stopping:
-                    stop.exit(iteration)
-        except Interrupted:  # a signal inside an iteration
-            stop.save(checkpoint_path, last_whole, final=False)
-            stop.exit(iteration - 1)
-        except FloatingPointError as error:  # raised before the step that would put a NaN in the weights
-            state = checkpoint_state(args, run_name, trained, agent, optimizers, envs.env, kl_beta)
-            exit_nonfinite(error, os.path.join(run_dir, "checkpoint_nonfinite.pt"), state, stop.last_saved())
-    return run_dir
+            # Auxiliary phase (every N_pi iterations). As in the PPG code, none follows the last
+            # iteration, since no policy phase would use what it learned.
+            if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
+                # A run resumed inside this phase has filled only the slots of its own iterations.
+                filled = min(args.n_pi, iteration - start_iteration + 1)
+                aux_phase_start = time.perf_counter()
+                aux_stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
+                                            aux_value_targets[-filled:].flatten(0, 1), args, stop.check)
+                aux_stats.update({"time/policy_phase": aux_phase_start - policy_phase_start,
+                                  "time/aux_phase": time.perf_counter() - aux_phase_start})
+                log_aux_phase(run, iteration, global_step, aux_stats)
+                policy_phase_start = time.perf_counter()
+            # Every iteration again (step 4): evaluate, save a checkpoint, stop.
+            if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
+                evaluate_and_log(run, agent, iteration, global_step)
+            state = checkpoint_state(run, iteration, agent, optimizers, envs.env, kl_beta)
+            stop.end_iteration(state, last=iteration == num_iterations)
+    return run.dir
 
 
 # ---- Appendix: plumbing ----
@@ -688,53 +658,29 @@ def normalized_score(env_id, distribution_mode, episodic_return):
     return (episodic_return - low) / (high - low)
 
 
-def evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir, iteration,
-                     global_step):
-    """Held-out levels, the episodes shared among the ranks: a row and a line; rank 0 films one with
-    --capture-video and, with --on-track, sets the run's logged last-100-episode returns against
-    the anchors' runs at this step."""
+def evaluate_and_log(run, agent, iteration, global_step):
+    """Held-out levels, the episodes shared among the ranks: a row and a line; with
+    --capture-video rank 0 films its first episode."""
+    args = run.args
     video = None
-    if args.capture_video and rank == 0:
-        video = os.path.join(run_dir, "videos", f"eval_{iteration:05d}.mp4")
+    if args.capture_video and run.rank == 0:
+        video = os.path.join(run.dir, "videos", f"eval_{iteration:05d}.mp4")
     start = time.perf_counter()
-    num_episodes = len(range(rank, args.eval_episodes, world_size))
-    seed = args.seed + 10**6 + iteration * world_size + rank
-    eval_return = float(np.mean(gather(evaluate(agent, args, device, num_episodes, seed, video))))
+    num_episodes = len(range(run.rank, args.eval_episodes, run.world_size))
+    seed = game_seed(args.seed, iteration, run.rank, evaluation=True)
+    eval_return = float(np.mean(gather(evaluate(agent, args, run.device, num_episodes, seed, video))))
     score = normalized_score(args.env_id, args.distribution_mode, eval_return)
-    logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
-                "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
-    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} "
-          "episodes" + (f", normalized score {score:.3f}" if score is not None else "")
-          + (f", video {video}" if video else ""))
-    if args.on_track and rank == 0:
-        line = on_track_line(args, global_step, run_dir)
-        if line is not None:
-            print(f"on track? last 100 training episodes: {line} (--no-on-track: off)")
+    run.logger.log({"global_step": global_step, "iteration": iteration, "eval/episodic_return": eval_return,
+                    "eval/normalized_score": score, "time/eval": time.perf_counter() - start}, video)
+    print(f"eval @ {global_step:,} steps: return {eval_return:.2f} over {args.eval_episodes} episodes"
+          + (f", normalized score {score:.3f}" if score is not None else "") + (f", video {video}" if video else ""))
 
 
-def on_track_line(args, global_step, run_dir):
-    """The line of benchmarks/reference/on_track.py (the rule `benchmarks/results.py --on-track`
-    uses too) for this run at this step, from the training rows in its metrics.jsonl; None where
-    no anchor matches, there is no training row (--eval-only) or there is no benchmarks/."""
-    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "reference")
-    sys.path.insert(0, rules)
-    try:
-        import on_track
-    except ImportError:
-        return None
-    finally:
-        sys.path.remove(rules)
-    run_args = {"script": os.path.basename(__file__), **asdict(args)}  # as in the run's args.json
-    return on_track.run_on_track_line(run_args, global_step, os.path.join(run_dir, "metrics.jsonl"))
-
-
-def evaluate_checkpoint(agent, args, device, rank, world_size, logger, run_dir, checkpoint, envs):
-    """--eval-only: the checkpoint's agent, one row and one line; then the games, the log and the
-    process group are closed. Returns the run's directory."""
-    evaluate_and_log(agent, args, device, rank, world_size, logger, run_dir,
-                     checkpoint["iteration"], checkpoint["global_step"])
-    close_run(envs, logger)
-    return run_dir
+def evaluate_checkpoint(run, agent, envs):
+    """--eval-only: the checkpoint's agent, one row and one line; then the run is closed."""
+    evaluate_and_log(run, agent, run.checkpoint["iteration"], run.checkpoint["global_step"])
+    close_run(run, (envs,))
+    return run.dir
 
 
 @torch.no_grad()
@@ -769,6 +715,13 @@ def write_video(path, frames, fps=15):
     video = iio.imwrite("<bytes>", frames, plugin="pyav", extension=".mp4", codec="libx264", fps=fps)
     write_atomically(path, video)
 
+
+def game_seed(seed, iteration, rank, evaluation=False):
+    """The seed of fresh games: a hash of (--seed, iteration, rank) by numpy's SeedSequence, so that
+    no two runs, ranks or resumes share their games' levels (a sum such as seed + rank would give
+    --seed 1's rank 1 the games of --seed 2's rank 0)."""
+    entropy = [seed, iteration, rank, int(evaluation)]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
 
 class ProcgenVecEnv(gym.vector.VectorEnv):
     """A gymnasium VectorEnv over the Procgen games of either backend (`procgen_backend`), with
@@ -877,71 +830,111 @@ class FramesToDevice:
         return self.staging.copy_(torch.from_numpy(frames)).to(self.device, non_blocking=True)
 
 
+def allocate_buffer(run):
+    """PPG's buffer B of this rank's games, frames and V_targ ((None, None) without auxiliary
+    phases): on the GPU when it takes less than half of its free memory (--aux-buffer auto), else
+    in host memory, pinned on a CUDA run (asynchronous copies). One that cannot be allocated stops
+    the run with one line (on Linux an unpinned B that fits only partly is allocated all the same)."""
+    args, device = run.args, run.device
+    if not args.e_aux or args.eval_only:
+        return None, None
+    leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
+    if leftover:
+        print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
+    shape = (args.n_pi, args.num_envs // run.world_size, args.num_steps)  # [N_pi, games, T]
+    size = shape[0] * shape[1] * shape[2] * (64 * 64 * 3 + 4)  # bytes: frames and V_targ
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    on_gpu = args.aux_buffer == "cuda" or args.aux_buffer == "auto" and size < free / 2
+    where = dict(device=device if on_gpu else "cpu", pin_memory=device.type == "cuda" and not on_gpu)
+    try:
+        obs = torch.empty((*shape, 64, 64, 3), dtype=torch.uint8, **where)
+        return obs, torch.empty(shape, **where)
+    except RuntimeError:  # out of memory (torch.OutOfMemoryError on a GPU)
+        raise SystemExit(f"error: PPG's buffer B needs {size / 2**30:.1f} GiB per rank (--n-pi "
+                         f"{args.n_pi} x --num-envs {args.num_envs} / {run.world_size} ranks x "
+                         f"--num-steps {args.num_steps} frames), more than {'GPU' if on_gpu else 'host'} "
+                         "memory can hold; lower --n-pi or --num-envs, or set --aux-buffer") from None
+
+
+def rollouts_to_device(buffer, index, device):
+    """The rollouts `index` of one of B's tensors, on the device; out of pinned host memory through
+    a new pinned block (`buffer[index]` would be unpinned: its copy could not be asynchronous)."""
+    block = torch.empty((len(index), *buffer.shape[1:]), dtype=buffer.dtype, device=buffer.device,
+                        pin_memory=buffer.is_pinned())
+    return torch.index_select(buffer, 0, index, out=block).to(device, non_blocking=True)
+
+
+@dataclass
+class Run:
+    """One record of the run for the plumbing: its flags, this process's place in it, where it
+    writes, and what it has saved."""
+    args: Args
+    name: str
+    dir: str
+    device: torch.device
+    rank: int
+    world_size: int
+    logger: "Logger"
+    checkpoint: Optional[dict] = None  # the checkpoint resumed or evaluated
+    start: tuple = (0.0, 0)  # (time, global step) where this process began training: SPS, ETA
+    recent_returns: collections.deque = field(default_factory=functools.partial(collections.deque, maxlen=100))
+    last_whole: Optional[tuple] = None  # (iteration, checkpoint bytes): what a stop saves
+    saved: Optional[tuple] = None  # (iteration, path) of the last checkpoint on disk
+
+
 def start_run(args):
     """Set-up, before anything heavy is allocated: a run to resume or evaluate takes its
-    checkpoint's flags (only RUNTIME_FLAGS from the command line), and those are checked; then
-    torchrun's process group, this rank's device and seeds. Returns (args, checkpoint or None,
-    rank, world_size, device)."""
-    require(not args.eval_only or args.checkpoint, "--eval-only needs --checkpoint PATH")
-    for flag in ("checkpoint", "resume"):
-        path = getattr(args, flag)
-        require(path is None or os.path.isfile(path), f"--{flag} {path}: no such file")
+    checkpoint's flags (RUNTIME_FLAGS from the command line); the flags are checked; then
+    torchrun's process group, this rank's device, seeds and threads, the run's folder and log."""
     checkpoint = None
     if args.resume or args.eval_only:
-        checkpoint, args = load_checkpoint(args.resume or args.checkpoint, args)
+        checkpoint, args = load_checkpoint(args)
     check_args(args)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # each rank's statistics, RNGs: its own
     saved_ranks = len(checkpoint["ranks"]) if args.resume else world_size
     require(saved_ranks == world_size, f"--resume {args.resume} was written by {saved_ranks} ranks: "
             f"resume it with as many (torchrun --nproc-per-node {saved_ranks})")
     rank, world_size, device = setup_distributed(args)
-    # Each rank its own actions and minibatches (and its own levels).
-    random.seed(args.seed + rank)
+    random.seed(args.seed + rank)  # each rank its own actions and minibatches
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
-    return args, checkpoint, rank, world_size, device
+    # The games step while the network waits and vice versa. On a CPU the network dominates and
+    # torch gets the cores (2 threads ran PPO 1.6-1.9x faster than 1 on 2 cores), the games one
+    # thread; on a GPU the games get the cores. One machine's ranks share its cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    on_gpu = device.type == "cuda"
+    args.env_threads = args.env_threads or (min(cores, args.num_envs) if on_gpu else 1)
+    torch.set_num_threads(args.torch_threads or (1 if on_gpu else cores))
+    name, directory = run_folder(args, checkpoint, rank)
+    logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    saved = (checkpoint["iteration"], args.resume) if args.resume else None
+    return Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved)
 
 
-def open_run(args, checkpoint, rank):
-    """The run's directory (a resumed run's own, else a new one no other run shares; an unwritable
-    runs/ stops here, before anything big) and its log. Returns (run_name, run_dir, logger)."""
+def run_folder(args, checkpoint, rank):
+    """The run's name and folder: a resumed run's own (without the .tmp files of killed writes),
+    else a new runs/<game>__<exp_name>__<seed>__<time>_<random>, made by rank 0 and named alike on
+    every rank: runs started in the same second (a sweep) never share one."""
     if args.resume:
-        run_name = checkpoint["run_name"]
-        run_dir = os.path.dirname(os.path.abspath(args.resume))
-        require(os.access(run_dir, os.W_OK), f"--resume {args.resume}: folder not writable")
-        if rank == 0:  # the .tmp files of a killed write (the file it was to replace is whole)
-            for path in glob.glob(os.path.join(run_dir, "**", "*.tmp"), recursive=True):
-                os.remove(path)
-    else:
-        suffix = "__eval" if args.eval_only else ""
-        base_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}{suffix}"
-        run_name, run_dir = create_run_dir(base_name, rank)
-    resume_iteration = checkpoint["iteration"] if args.resume else None
-    return run_name, run_dir, Logger(args, run_name, run_dir, rank, resume_iteration)
-
-
-def create_run_dir(base_name, rank):
-    """runs/<base_name>, created exclusively by rank 0 and named alike on every rank: two runs
-    started at once with the same name (a sweep) never share a directory; the later one takes the
-    next free name, -2, -3, ... Returns (name, path); an unwritable runs/ fails with one line."""
-    outcome = [base_name, None]  # the name taken, or why none could be
-    suffix = 1
-    while rank == 0:
-        try:
-            os.makedirs(os.path.join("runs", outcome[0]))  # atomic: of two racing runs one succeeds
-            break
-        except FileExistsError:
-            suffix += 1
-            outcome[0] = f"{base_name}-{suffix}"
-        except OSError as error:  # read-only, no permission, runs is a file, ...
-            outcome[1] = f"cannot create the run directory runs/{outcome[0]}: {error.strerror}"
-            break
+        directory = os.path.dirname(os.path.abspath(args.resume))
+        require(os.access(directory, os.W_OK), f"--resume {args.resume}: folder not writable")
+        for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True) if rank == 0 else ():
+            os.remove(path)
+        return checkpoint["run_name"], directory
+    kind = "__eval" if args.eval_only else ""
+    name = [f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}_{secrets.token_hex(4)}{kind}"]
     if dist.is_initialized():
-        dist.broadcast_object_list(outcome, src=0)
-    require(outcome[1] is None, outcome[1])
-    return outcome[0], os.path.join("runs", outcome[0])
+        dist.broadcast_object_list(name, src=0)
+    directory = os.path.join("runs", name[0])
+    try:
+        if rank == 0:
+            os.makedirs(directory)
+    except OSError as error:  # read-only, no permission, runs is a file, ...
+        require(False, f"cannot create the run directory {directory}: {error.strerror}")
+    return name[0], directory
 
 
 def count_iterations(args, steps_per_iteration, device):
@@ -954,7 +947,6 @@ def count_iterations(args, steps_per_iteration, device):
     if device.type == "cpu" and args.total_timesteps > 10**6 and not args.eval_only:
         print(CPU_NOTE)
     return num_iterations
-
 
 def setup_distributed(args):
     """Data parallel under torchrun, which starts one process per GPU and sets RANK (global),
@@ -1016,218 +1008,126 @@ def gather(items):
     return [item for rank_items in per_rank for item in rank_items]
 
 
-def thread_split(args, device):
-    """In the rollout the games step while the network waits and vice versa, so procgen's and
-    torch's threads take turns on the cores. On CPU the network dominates: torch gets every core,
-    procgen one thread (measured on 2 cores: 2 torch threads run the rollout and the update 1.6-1.9x
-    faster than 1; procgen threads change little). On GPU procgen gets the cores and torch one
-    thread for its bookkeeping."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # one machine's ranks share them
-    env_threads = args.env_threads or (min(cores, args.num_envs) if device.type == "cuda" else 1)
-    torch_threads = args.torch_threads or (1 if device.type == "cuda" else cores)
-    return env_threads, torch_threads
-
-
-class Interrupted(Exception):
-    """Raised by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
-
-
-def allocate_buffer(args, device, world_size):
-    """PPG's buffer B as two tensors, frames [N_pi, games, T, 64, 64, 3] and their V_targ [N_pi,
-    games, T], on the device or in host memory (`aux_buffer_device`); (None, None) without
-    auxiliary phases. It runs before the run's directory is made, so a buffer that does not fit
-    leaves nothing behind. It also notes when the run's last iterations form no whole phase."""
-    if not args.e_aux or args.eval_only:
-        return None, None
-    leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
-    if leftover:
-        print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
-    where = aux_buffer_device(args, device, world_size)
-    aux_obs = torch.empty((args.n_pi, args.num_envs // world_size, args.num_steps, 64, 64, 3), dtype=torch.uint8, **where)
-    return aux_obs, torch.empty(aux_obs.shape[:3], **where)
-
-
-def aux_buffer_device(args, device, world_size):
-    """Where B goes, as torch.empty's keywords: on the GPU when it needs less than half of the free
-    GPU memory (--aux-buffer auto), else in host memory, pinned on a CUDA run so that minibatches
-    copy asynchronously. PyTorch's pinned allocator rounds a block up to a power of two, so the
-    default 6.4 GB take 8 GiB there, and the check counts that. A buffer that does not fit in 80 %
-    of the free memory stops the run with one line naming the flags to change."""
-    needed = args.n_pi * args.num_envs // world_size * args.num_steps * (64 * 64 * 3 + 4 + 15 * 4)
-    on_device = args.aux_buffer == "cuda" or (args.aux_buffer == "auto" and device.type == "cuda"
-                                              and needed < 0.5 * available_memory(device))
-    where = device if on_device else torch.device("cpu")
-    pinned = where.type == "cpu" and device.type == "cuda"
-    needed = 2 ** math.ceil(math.log2(needed)) if pinned else needed
-    free = available_memory(where)
-    require(needed <= 0.8 * free, f"the PPG auxiliary buffer needs {needed / 2**30:.1f} GiB per "
-            f"rank (--n-pi {args.n_pi} x --num-envs {args.num_envs} / {world_size} ranks x "
-            f"--num-steps {args.num_steps} frames) but only {free / 2**30:.1f} GiB of {where.type} "
-            "memory is free per rank; lower --n-pi or --num-envs, or set --aux-buffer")
-    return {"device": where, "pin_memory": pinned}
-
-
-def available_memory(device):
-    """Bytes this rank may use on `device` without swapping: the GPU's free memory, or the host's
-    MemAvailable (Linux; elsewhere unknown: inf) shared by the ranks of one machine."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if "MemAvailable" in line:  # given in KiB
-                    return int(line.split()[1]) * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return float("inf")
-
-
 def num_ranks():
     """The number of torchrun ranks (1 without a process group)."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def rollouts_to_device(buffers, index, device):
-    """The rollouts `index` of each buffer, copied to the device. From a pinned host buffer they are
-    first gathered into a new pinned block: `buffer[index]` would be an unpinned copy, whose transfer
-    cannot be asynchronous (docs/ppg.md, "The buffer B")."""
-    if not buffers[0].is_pinned():
-        return [buffer[index].to(device, non_blocking=True) for buffer in buffers]
-    blocks = [torch.empty((len(index), *b.shape[1:]), dtype=b.dtype, pin_memory=True) for b in buffers]
-    return [torch.index_select(b, 0, index, out=block).to(device, non_blocking=True) for b, block in zip(buffers, blocks)]
-
-
-def log_aux_phase(logger, iteration, global_step, stats, policy_phase_start, aux_phase_start):
-    """An auxiliary phase's row (its mean losses and the seconds of the policy phase before it and
-    of itself, from `time.perf_counter` marks) and its console line."""
-    seconds = {"policy_phase": aux_phase_start - policy_phase_start,
-               "aux_phase": time.perf_counter() - aux_phase_start}
-    logger.log({"global_step": global_step, "iteration": iteration, **stats,
-                **{f"time/{key}": value for key, value in seconds.items()}})
-    losses = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in stats.items())
-    print(f"aux phase: policy phase {seconds['policy_phase']:.1f}s, aux phase {seconds['aux_phase']:.1f}s | {losses}",
-          flush=True)
+class Interrupted(Exception):
+    """Raised on every rank by `StopOnSignal.check` after a signal: the iteration in flight is dropped."""
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM is recorded; at a `check` or an iteration's end all ranks learn of it, save, `exit`.
-    A second one (not torchrun's copy within 2 s) stops at once, in one line. Leaving closes `closing`."""
+    """Ctrl-C or SIGTERM (a cluster's preemption) asks for a stop: `check`, called at every rollout
+    step and minibatch, then raises Interrupted on all ranks alike, and so does `end_iteration`.
+    Leaving the block saves the last whole iteration and exits (`end_run`). A second signal stops
+    at once; torchrun's copy of the first (within 2 s) is not a second."""
 
-    def __init__(self, args, checkpoint, device, closing):
-        self.device, self.closing = device, closing
-        self.signals, self.first_time = [], None
-        self.last_checkpoint = (checkpoint["iteration"], args.resume) if args.resume else None
-
-    def handler(self, signum, frame):
-        if self.signals and time.perf_counter() - self.first_time <= 2:  # torchrun's copy
-            return
-        self.signals.append(signum)
-        if len(self.signals) > 1:
-            raise KeyboardInterrupt  # `__exit__` ends the run with one line
-        self.first_time = time.perf_counter()
-        print(f"\n{signal.Signals(signum).name}: stopping at the next clean point to save a "
-              "checkpoint (a second signal stops at once)", flush=True)
+    def __init__(self, run, closing):
+        self.run, self.closing, self.signum, self.first_time = run, closing, None, 0.0
 
     def __enter__(self):
-        self.previous = {number: signal.signal(number, self.handler) for number in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def __exit__(self, kind, error, traceback):
-        for signum in self.previous:
-            signal.signal(signum, signal.SIG_IGN)
-        try:
-            if kind is KeyboardInterrupt:  # a second signal: stop at once, in one line
-                signum = (self.signals or [signal.SIGINT])[-1]
-                name = signal.Signals(signum).name
-                print(f"\nstopped at once by a second {name}: {self.last_saved()}", flush=True)
-                raise SystemExit(128 + signum)
-        finally:
-            close_run(*self.closing)
-            for signum, handler in self.previous.items():
-                signal.signal(signum, handler)
-
-    def requested(self):
-        if dist.is_initialized():  # one all-reduce: all ranks stop at the same point
-            return bool(all_reduce_mean(torch.tensor(float(bool(self.signals)), device=self.device)) > 0)
-        return bool(self.signals)  # one process: no host sync
+    def handler(self, signum, frame):
+        if self.signum is None:
+            self.signum, self.first_time = signum, time.monotonic()
+            print(f"\n{signal.Signals(signum).name}: stopping at the next step to save a checkpoint (a second "
+                  "signal stops at once)", flush=True)
+        elif time.monotonic() - self.first_time > 2:
+            raise KeyboardInterrupt  # `end_run` stops with one line
 
     def check(self):
-        if self.requested():
+        asked = self.signum is not None
+        if dist.is_initialized():  # one all-reduce: every rank stops at the same step
+            asked = all_reduce_mean(torch.tensor(float(asked), device=self.run.device)).item() > 0
+        if asked:
             raise Interrupted
 
-    def save(self, path, state, final):
-        if save_checkpoint(path, state):  # else one line; retried at the next save
-            self.last_checkpoint = (state["iteration"], path)
-        else:
-            require(not final, f"the final checkpoint could not be written (see above); {self.last_saved()}")
+    def end_iteration(self, state, last):
+        """After an iteration's log: its checkpoint `state`, kept in memory (what a stop inside the
+        next iteration saves) and written every --save-every iterations and after the last."""
+        self.run.last_whole = (state["iteration"], checkpoint_bytes(state))
+        self.check()
+        if self.run.args.save_model and (state["iteration"] % self.run.args.save_every == 0 or last):
+            save_checkpoint(self.run, final=last)
 
-    def exit(self, iteration):
-        signum = self.signals[0] if self.signals else signal.SIGTERM  # another rank caught it
-        outcome = f"iteration {iteration} could not be saved; {self.last_saved()}"
-        if self.last_checkpoint is not None and self.last_checkpoint[0] == iteration:
-            outcome = f"saved iteration {iteration} to {self.last_checkpoint[1]}; continue with --resume"
-        print(f"interrupted by {signal.Signals(signum).name}: {outcome}", flush=True)
-        raise SystemExit(128 + signum)
-
-    def last_saved(self):
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run was saved"
-        return "the last checkpoint is iteration %d in %s (continue with --resume)" % self.last_checkpoint
+    def __exit__(self, kind, error, traceback):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
 
 
-def close_run(*closing):
-    """The games and the log (what has a `close`), then torchrun's process group."""
+def end_run(run, closing, error, signum):
+    """How a run ends: after a signal, with the last whole iteration saved and exit 128 + signal;
+    after a non-finite loss, with one line and exit 1 (the last checkpoint is intact: the step that
+    would have put a NaN in the weights was not taken). The games, the log and the process group
+    are closed first."""
+    saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
+    close_run(run, closing)
+    name = signal.Signals(signum).name
+    if isinstance(error, Interrupted) and saved_now:
+        print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
+    elif isinstance(error, Interrupted):
+        print(f"interrupted by {name}: nothing new to save; {last_saved(run)}")
+    elif isinstance(error, KeyboardInterrupt):
+        print(f"\nstopped at once by a second {name}: {last_saved(run)}")
+    elif isinstance(error, FloatingPointError):
+        raise SystemExit(f"error: {error}; {last_saved(run)} (a lower --learning-rate may avoid it)") from None
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        raise SystemExit(128 + signum) from None
+
+
+def last_saved(run):
+    if run.saved is None:
+        return "no checkpoint of this run was saved"
+    return "the last checkpoint is iteration %d in %s (continue with --resume)" % run.saved
+
+
+def close_run(run, closing):
+    """The games (and IMPALA's actor), the log, then torchrun's process group."""
     for thing in closing:
         thing.close()
+    run.logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def exit_nonfinite(error, path, state, last_saved):
-    """The non-finite stop: `state`, whose weights are those before the step that would have put a
-    NaN in them, to `path`; then one line, exit 1."""
-    if not save_checkpoint(path, state):
-        raise SystemExit(f"error: {error}; its checkpoint could not be written (see above); {last_saved}")
-    raise SystemExit(f"error: {error} after iteration {state['iteration']}; the weights before that "
-                     f"step are saved in {path} (evaluate them with --eval-only --checkpoint; a new "
-                     "run with a lower --learning-rate may avoid it: --resume keeps the checkpoint's flags)")
-
-
 class Logger:
-    """Each row goes to runs/<run_name>/metrics.jsonl (the machine-readable record), to TensorBoard
-    event files in the same directory (`tensorboard --logdir runs`: every numeric column with a '/'
-    in its name, at step global_step) and, with --track, to wandb."""
+    """The run's rows: one JSON object a line in runs/<name>/metrics.jsonl, TensorBoard event files
+    in the same folder (`tensorboard --logdir runs`: the numeric columns with a '/' in their name)
+    and, with --track, wandb. Rank 0 writes for all; a resumed run first drops the rows after its
+    checkpoint, since it plays those iterations again."""
 
-    def __init__(self, args, run_name, run_dir, rank=0, resume_iteration=None):
+    def __init__(self, args, name, directory, rank=0, resume_iteration=None):
         self.file = None
-        if rank > 0:  # rank 0 writes for all ranks
+        if rank > 0:
             return
-        os.makedirs(os.path.join(run_dir, "videos") if args.capture_video else run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "metrics.jsonl")
-        purge_step = None  # TensorBoard hides the events from this step on
+        os.makedirs(os.path.join(directory, "videos") if args.capture_video else directory, exist_ok=True)
+        path = os.path.join(directory, "metrics.jsonl")
+        purge_step = None  # TensorBoard hides its events from this step on
         if resume_iteration is not None and os.path.exists(path):
             purge_step = drop_rows_after(path, resume_iteration)
         flags = {"script": os.path.basename(__file__), **asdict(args)}  # for benchmarks/results.py
-        write_atomically(os.path.join(run_dir, "args.json"), json.dumps(flags, indent=1).encode())
+        write_atomically(os.path.join(directory, "args.json"), json.dumps(flags, indent=1).encode())
         self.file = open(path, "ab", buffering=0)
         from torch.utils.tensorboard import SummaryWriter
-        self.tensorboard = SummaryWriter(run_dir, purge_step=purge_step)
-        self.tensorboard.add_text("flags", "|flag|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|"
-                                                                             for key, value in asdict(args).items()))
+        self.tensorboard = SummaryWriter(directory, purge_step=purge_step)
         self.wandb = None
         if args.track:
             import wandb
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
-                                    name=run_name, id=run_name, resume="allow", config=asdict(args), dir=run_dir)
+                                    name=name, id=name, resume="allow", config=asdict(args), dir=directory)
 
     def log(self, row, video=None):
         if self.file is None:
             return
         line = (json.dumps(row) + "\n").encode()
         length = self.file.seek(0, os.SEEK_END)
-        try:  # one unbuffered write per row; a failed one is cut off again: no row is half there
-            written = self.file.write(line)
-            if written != len(line):
-                raise OSError(f"wrote {written} of {len(line)} bytes")
+        try:  # one unbuffered write a row; a failed one is cut off again: no row is half there
+            if self.file.write(line) != len(line):
+                raise OSError("a short write")
         except OSError as error:
             self.file.truncate(length)
             print(f"warning: could not write a row to {self.file.name} ({error.strerror or error}); it is left "
@@ -1235,25 +1135,22 @@ class Logger:
         for key, value in row.items():
             if "/" in key and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, value, row["global_step"])
-        if video:
-            add_video_as_gif(self.tensorboard, video, row["global_step"])
         self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
-            self.wandb.log({**row, **({"eval/video": wandb.Video(video, format="mp4")} if video else {})},
-                           step=row["global_step"])
+            media = {"eval/video": wandb.Video(video, format="mp4")} if video else {}
+            self.wandb.log({**row, **media}, step=row["global_step"])
 
     def close(self):
-        if self.file is None:
-            return
-        self.file.close()
-        self.tensorboard.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.file is not None:
+            self.file.close()
+            self.tensorboard.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def drop_rows_after(path, iteration):
-    """A resumed run's metrics.jsonl without the rows of iterations after its checkpoint (or half a
+    """A resumed run's metrics.jsonl without the rows after its checkpoint's `iteration` (or half a
     line a crash left); returns the first global step to hide in TensorBoard (its purge_step)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
@@ -1262,107 +1159,100 @@ def drop_rows_after(path, iteration):
     return max((row["global_step"] for row in kept), default=-1) + 1
 
 
-def add_video_as_gif(tensorboard, video, step):
-    """TensorBoard shows a video as an animated GIF (torch's add_video would need moviepy)."""
-    import imageio.v3 as iio
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    frames = iio.imread(video, plugin="pyav")[:, ::4, ::4]  # back to the game's 64x64 pixels
-    gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / 15, loop=0)
-    image = Summary.Image(height=64, width=64, colorspace=3, encoded_image_string=gif)
-    tensorboard.file_writer.add_summary(Summary(value=[Summary.Value(tag="eval/video", image=image)]), step)
-
-
-def log_iteration(logger, device, iteration, num_iterations, global_step, start, optimizer,
-                  episode_returns, episode_lengths, recent_returns, losses, times):
-    """One row to metrics.jsonl (and TensorBoard, wandb) and one console line: every rank's episodes
-    (added to `recent_returns`, the last 100), the `losses` (means over the ranks), the seconds of
-    the iteration's parts (`times`); SPS and the ETA count from `start`, the (time, global step)
-    where this process began training."""
-    episode_returns = gather(episode_returns)  # every rank's episodes count
-    episode_lengths = gather(episode_lengths)
-    recent_returns.extend(episode_returns)
-    elapsed = time.time() - start[0]
-    sps = (global_step - start[1]) / elapsed
-    gpu_memory = None
-    if device.type == "cuda":
-        gpu_memory = torch.cuda.max_memory_allocated() / 2**30
-    logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/episodes": len(episode_returns),
-                "charts/episodic_return": mean_or_none(episode_returns),
-                "charts/episodic_length": mean_or_none(episode_lengths),
-                "charts/episodic_return_last100": mean_or_none(recent_returns),
-                **{f"losses/{key}": value for key, value in losses.items()},
-                **{f"time/{key}": seconds for key, seconds in times.items()},
-                "perf/gpu_memory_gb": gpu_memory})
-    eta = (num_iterations - iteration) * global_step / iteration / sps / 60  # steps per iteration
-    timers = ", ".join(f"{key} {seconds:.1f}s" for key, seconds in times.items())
-    returns = "-"
-    if episode_returns:
-        returns = f"{mean_or_none(episode_returns):.2f} ({len(episode_returns)} eps)"
+def log_iteration(run, iteration, global_step, episodes, stats):
+    """One row (and one console line) per iteration: every rank's `episodes` (return, length),
+    the last 100 of them, SPS and the ETA since this process began, and `stats`: the losses (means
+    over the ranks; logged as losses/<name>) and the columns named with a '/' (time/..., charts/...)."""
+    episodes = gather(episodes)  # every rank's episodes count
+    returns = [episode_return for episode_return, _ in episodes]
+    run.recent_returns.extend(returns)
+    elapsed = time.time() - run.start[0]
+    sps = (global_step - run.start[1]) / elapsed
+    gpu_memory = torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None
+    losses = {key: value for key, value in stats.items() if "/" not in key}
+    run.logger.log({"global_step": global_step, "iteration": iteration, "time": elapsed, "charts/SPS": sps,
+                    "charts/episodes": len(episodes), "charts/episodic_return": mean_or_none(returns),
+                    "charts/episodic_length": mean_or_none([length for _, length in episodes]),
+                    "charts/episodic_return_last100": mean_or_none(run.recent_returns),
+                    **{f"losses/{key}": value for key, value in losses.items()},
+                    **{key: value for key, value in stats.items() if "/" in key},
+                    "perf/gpu_memory_gb": gpu_memory})
+    num_iterations = run.args.total_timesteps * iteration // global_step
+    eta = (num_iterations - iteration) * global_step / iteration / sps / 60
+    timers = ", ".join(f"{key[5:]} {value:.1f}s" for key, value in stats.items() if key.startswith("time/"))
+    mean_return = f"{np.mean(returns):.2f} ({len(returns)} eps)" if returns else "-"
+    shown = " ".join(f"{key} {value:.4g}" for key, value in list(losses.items())[:4])
     print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
-          f"ETA {eta:.1f} min | return {returns} | pg {losses['policy_loss']:.3f} v "
-          f"{losses['value_loss']:.3f} ent {losses['entropy']:.3f} kl {losses['approx_kl']:.4f}",
-          flush=True)
+          f"ETA {eta:.1f} min | return {mean_return} | {shown}", flush=True)
 
 
 def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
 
 
-def checkpoint_state(args, run_name, iteration, agent, optimizers, normalizer, kl_beta):
+def log_aux_phase(run, iteration, global_step, stats):
+    """An auxiliary phase's row (its mean losses and seconds, with those of the policy phase
+    before it) and its console line."""
+    run.logger.log({"global_step": global_step, "iteration": iteration, **stats})
+    losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in stats.items() if "aux/" in key)
+    print(f"aux phase: policy phase {stats['time/policy_phase']:.1f}s, aux phase "
+          f"{stats['time/aux_phase']:.1f}s | {losses}", flush=True)
+
+
+def checkpoint_state(run, iteration, agent, optimizers, normalizer, kl_beta):
     """All that --resume continues from after `iteration`, in one dict of tensors and plain data
     (what torch.load(weights_only=True) reads): the weights, the `optimizers` (by their keys),
     kl-penalty's beta, the flags and every rank's own reward statistics and RNG states (a
     collective: all ranks call it)."""
-    ranks = gather([rank_state(reward_statistics(normalizer))])
+    args = run.args
     return {"agent": agent.state_dict(), **{key: optimizer.state_dict() for key, optimizer in optimizers.items()},
             "iteration": iteration, "global_step": iteration * args.num_envs * args.num_steps, "kl_beta": kl_beta,
-            "args": asdict(args), "run_name": run_name, "ranks": ranks}
+            "args": asdict(args), "run_name": run.name, "ranks": gather([rank_state(normalizer)])}
 
 
-def restore(checkpoint, args, rank, agent, optimizers, normalizer):
+def restore(run, agent, optimizers, normalizer):
     """A checkpoint's weights; with --resume also its `optimizers` (by their keys in it) and this
     rank's reward statistics and RNG states. Then rank 0's weights on every rank (a new run's too).
-    Returns the first iteration to train."""
+    Returns the first iteration to train; SPS and the ETA count from here."""
+    checkpoint = run.checkpoint
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["agent"])
     for tensor in agent.state_dict().values() if dist.is_initialized() else ():
         dist.broadcast(tensor, src=0)
-    if not args.resume:
+    run.start = (time.time(), checkpoint["global_step"] if run.args.resume else 0)
+    if not run.args.resume:
         return 1
     for key, optimizer in optimizers.items():
         optimizer.load_state_dict(checkpoint[key])
-    restore_rank_state(checkpoint["ranks"][rank], normalizer)
+    restore_rank_state(checkpoint["ranks"][run.rank], normalizer)
     print(f"resuming {checkpoint['run_name']} at iteration {checkpoint['iteration'] + 1}")
     return checkpoint["iteration"] + 1
 
 
-# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
-# logging only (--env-backend plays the same games, so a run moves to a machine with the other one).
-RUNTIME_FLAGS = ("cuda", "env_backend", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video",
-                 "track", "wandb_project", "wandb_entity", "wandb_mode")
-
-
-def save_checkpoint(path, state):
-    """Atomic (`write_atomically`): a crash or kill mid-write leaves the previous checkpoint intact.
-    `state` holds tensors and plain data only, every rank's part gathered; rank 0 writes it. A write
-    that fails (a full disk) prints one line with the file, the error and the size needed and
-    returns False: the run goes on and retries at its next save (`StopOnSignal.save`)."""
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return True
+def checkpoint_bytes(state):
     data = io.BytesIO()
     torch.save(state, data)
+    return data.getvalue()
+
+
+def save_checkpoint(run, final):
+    """The last whole iteration's checkpoint to runs/<name>/checkpoint.pt, by rank 0, atomically:
+    a crash or a kill mid-write leaves the previous one intact. A failed write (a full disk) is one
+    line and the run goes on, retrying at its next save; a failed final one stops the run."""
+    iteration, data = run.last_whole
+    path = os.path.join(run.dir, "checkpoint.pt")
     try:
-        write_atomically(path, data.getbuffer())
-        return True
+        if run.rank == 0:
+            write_atomically(path, data)
     except OSError as error:
-        disk = os.statvfs(os.path.dirname(path) or ".")
-        free = disk.f_bavail * disk.f_frsize / 2**20
-        print(f"warning: could not write {path}: {error.strerror or error} (it needs "
-              f"{data.tell() / 2**20:.1f} MiB, {free:.1f} MiB free); the previous checkpoint is kept",
+        disk = os.statvfs(run.dir)
+        print(f"warning: could not write {path}: {error.strerror or error} (it needs {len(data) / 2**20:.1f} "
+              f"MiB, {disk.f_bavail * disk.f_frsize / 2**20:.1f} MiB free); the previous checkpoint is kept",
               file=sys.stderr, flush=True)
+        require(not final, f"the final checkpoint could not be written (see above); {last_saved(run)}")
         return False
+    run.saved = (iteration, path)
+    return True
 
 
 def write_atomically(path, data):
@@ -1387,13 +1277,12 @@ def reward_statistics(normalizer):
     return [float(rms.mean), float(rms.var), float(rms.count)]
 
 
-def rank_state(reward_rms):
-    """This process's own part of a checkpoint: its reward normalizer's statistics
-    (`reward_statistics`) and its RNG states, in the plain types that torch.load(weights_only=True)
-    accepts (numpy's RNG key as a list)."""
+def rank_state(normalizer):
+    """This process's own part of a checkpoint: its reward statistics and its RNG states, in the
+    plain types that torch.load(weights_only=True) accepts (numpy's RNG key as a list)."""
     numpy_rng = np.random.get_state(legacy=False)
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
-    return {"reward_rms": reward_rms,
+    return {"reward_rms": reward_statistics(normalizer),
             "rng": {"python": random.getstate(), "numpy": numpy_rng, "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
 
@@ -1412,10 +1301,20 @@ def restore_rank_state(state, normalizer):
         torch.cuda.set_rng_state(state["rng"]["cuda"])
 
 
-def load_checkpoint(path, args):
-    """Tensors and plain data only (weights_only=True: loading a file never runs code from it);
-    every failure is one line naming the file. The checkpoint's flags win, except the RUNTIME_FLAGS
-    given on this command line."""
+# Flags that may differ from a checkpoint's when resuming or evaluating it: they change speed or
+# logging only (--env-backend plays the same games, so a run moves to a machine with the other one).
+RUNTIME_FLAGS = ("cuda", "env_backend", "env_threads", "torch_threads", "compile", "eval_episodes", "capture_video",
+                 "track", "wandb_project", "wandb_entity", "wandb_mode")
+
+
+def load_checkpoint(args):
+    """The checkpoint of --resume or --checkpoint and its flags (those in RUNTIME_FLAGS from this
+    command line). Tensors and plain data only (weights_only=True: loading a file never runs code
+    from it); every failure is one line naming the file."""
+    path = args.resume or args.checkpoint
+    flag = "--resume" if args.resume else "--checkpoint"
+    require(path is not None, "--eval-only needs --checkpoint PATH")
+    require(os.path.isfile(path), f"{flag} {path}: no such file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # a pickled object that could run code: refused before it is built
@@ -1440,18 +1339,13 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Every numeric flag in its range, finite (--max-grad-norm may be inf: no clipping); None means
-    unset."""
+    """Each numeric flag in its range; None means unset (NaN is in no range)."""
     for flag in (*positive, *non_negative, *fractions):
-        value = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if value is None:
-            continue
-        require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
-        require(flag not in positive or value > 0, f"{name} {value} must be > 0")
-        require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
-        require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
-
+        value, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if value is not None:
+            require(flag not in positive or value > 0, f"{name} {value} must be > 0")
+            require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
+            require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")
 
 def check_args(args):
     """Fail at once, before anything heavy is allocated, with one line naming the flag."""

@@ -6,7 +6,7 @@ import json
 import os
 import resource
 import signal
-import sys
+import types
 
 import numpy as np
 import pytest
@@ -23,6 +23,10 @@ TINY = ["--env-id", "starpilot", "--num-envs", "2", "--num-steps", "16", "--num-
 # What a resume or an evaluation takes from its command line, not from the checkpoint (the script's RUNTIME_FLAGS):
 # without them it would evaluate the default 32 episodes of StarPilot with a team of torch threads.
 RUNTIME = ["--eval-episodes", "2", "--torch-threads", "1"]
+
+
+# Bytes of B at the default flags: N_pi x num_envs x num_steps frames of 64 x 64 x 3 bytes, each with a float32 V_targ.
+DEFAULT_B = 32 * 64 * 256 * (64 * 64 * 3 + 4)
 
 
 def tiny_args(**overrides):
@@ -58,8 +62,7 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_before, kl_before, value_before = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert kl_before == 0  # pi_old is the starting policy
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
-                                contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
     assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
@@ -74,8 +77,7 @@ def test_kl_is_zero_when_nothing_moves():
     agent = ppg.Agent(args, num_actions=15)
     aux_obs, aux_returns = cue_buffer()
     optimizer = torch.optim.Adam(agent.parameters(), lr=0.0)
-    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
-                                contextlib.nullcontext)
+    stats = ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
     assert abs(stats["aux/kl"]) < 1e-7 and stats["aux/value_loss"] > 0.1
 
 
@@ -87,8 +89,7 @@ def test_gradient_accumulation_gives_the_same_step():
         args = tiny_args(e_aux=1, num_aux_rollouts=4, n_aux_grad_accum=accum)
         agent = ppg.Agent(args, num_actions=15)
         optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
-        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args, torch.device("cpu"),
-                                contextlib.nullcontext)
+        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs, aux_returns, args)
         results.append(torch.cat([p.flatten() for p in agent.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
 
@@ -189,14 +190,47 @@ def test_without_aux_phase_the_training_loop_is_ppo(cue_env, in_tmp, monkeypatch
     assert len(drop(ppo_rows)) == 6  # 4 iterations + 2 evaluations
 
 
-def test_memory_check_refuses_an_absurd_buffer_before_allocating(in_tmp):
+def test_a_buffer_that_does_not_fit_fails_with_one_line_before_anything_big(in_tmp):
+    """B is allocated before the networks and the games: one that cannot be stops the run with one line naming the
+    flags, its size in closed form (frames of 64 x 64 x 3 bytes and a float32 V_targ each), and nothing big is
+    allocated."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(SystemExit, match=r"auxiliary buffer needs [0-9.]+ GiB per rank \(--n-pi 100000 x --num-envs "
-                                         r"64 / 1 ranks x --num-steps 256 frames\) but only [0-9.]+ GiB of cpu memory "
-                                         r"is free per rank"):
+    gib = 100_000 * 64 * 256 * (64 * 64 * 3 + 4) / 2**30
+    with pytest.raises(SystemExit, match=rf"^error: PPG's buffer B needs {gib:.1f} GiB per rank \(--n-pi 100000 x "
+                                         r"--num-envs 64 / 1 ranks x --num-steps 256 frames\), more than host memory "
+                                         r"can hold; lower --n-pi or --num-envs, or set --aux-buffer$"):
         ppg.train(ppg.Args(n_pi=100_000, save_every=100_000, cuda=False))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing big was allocated
-    assert not os.path.exists("runs")  # `prepare_phases` refuses before the run directory exists: nothing left behind
+
+
+@pytest.mark.parametrize("aux_buffer, device, free, place", [
+    ("auto", "cuda", 2 * DEFAULT_B + 2, ("cuda", False)), ("auto", "cuda", 2 * DEFAULT_B - 2, ("cpu", True)),
+    ("cpu", "cuda", 100 * DEFAULT_B, ("cpu", True)), ("cuda", "cuda", 0, ("cuda", False)),
+    ("auto", "cpu", 0, ("cpu", False))])
+def test_buffer_is_on_the_gpu_when_it_takes_under_half_of_its_free_memory(aux_buffer, device, free, place,
+                                                                            monkeypatch):
+    """B at the default flags: on the GPU when it takes less than half of the GPU's free memory, else in host memory,
+    pinned on a CUDA run; --aux-buffer forces a place. The GPU's free memory and torch.empty are stand-ins (no GPU
+    needed); an allocation that fails is one line naming the flags."""
+    placed = []
+
+    def empty(shape, dtype=torch.float32, device=None, pin_memory=False):
+        placed.append((torch.device(device).type, pin_memory))  # "cpu" or a torch.device
+        return shape
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 200 * DEFAULT_B))
+    monkeypatch.setattr(torch, "empty", empty)
+    run = types.SimpleNamespace(args=ppg.Args(aux_buffer=aux_buffer), device=torch.device(device), world_size=1)
+    assert ppg.allocate_buffer(run) == ((32, 64, 256, 64, 64, 3), (32, 64, 256)) and placed == [place, place]
+
+    def out_of_memory(*arguments, **keywords):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    memory = {"cuda": "GPU", "cpu": "host"}[place[0]]
+    with pytest.raises(SystemExit, match=f"more than {memory} memory can hold; lower --n-pi or --num-envs, or set "
+                                         "--aux-buffer"):
+        ppg.allocate_buffer(run)
 
 
 def test_bad_ppg_flags_fail_at_once():
@@ -258,28 +292,21 @@ def test_no_auxiliary_phase_after_the_last_iteration(cue_env, in_tmp):
         assert rows[-1]["iteration"] == iterations and "eval/episodic_return" in rows[-1]
 
 
-def test_on_track_line_names_the_run_as_its_args_json(tmp_path, monkeypatch):
-    """The in-run line comes from benchmarks/reference/on_track.py, which picks PPG's anchor from the run's
-    script and flags, as results.py does from args.json: the script's name and --arch, --policy-loss reach it."""
-    monkeypatch.setattr(ppg, "__file__", str(tmp_path / "ppg_procgen.py"))
-    monkeypatch.delitem(sys.modules, "on_track", raising=False)
-    (tmp_path / "benchmarks" / "reference").mkdir(parents=True)
-    (tmp_path / "benchmarks" / "reference" / "on_track.py").write_text(
-        "def run_on_track_line(args, global_step, metrics_path):\n"
-        "    return f\"{args['script']} {args['arch']} {args['policy_loss']} @ {global_step}: {metrics_path}\"\n")
-    line = ppg.on_track_line(ppg.Args(arch="detach", policy_loss="kl-penalty"), 8_000_000, "runs/x")
-    assert line == "ppg_procgen.py detach kl-penalty @ 8000000: runs/x/metrics.jsonl"
-    monkeypatch.delitem(sys.modules, "on_track")
-
-
 def test_without_aux_epochs_there_is_no_buffer_and_no_pi_old(cue_env, in_tmp, monkeypatch):
     cue_env(ppg)
-    for name in ("aux_buffer_device", "auxiliary_phase"):
-        monkeypatch.setattr(ppg, name, lambda *arguments: pytest.fail(f"{name} called with --e-aux 0"))
+    allocate, buffers = ppg.allocate_buffer, []
+
+    def recording(run):
+        buffers.append(allocate(run))
+        return buffers[-1]
+
+    monkeypatch.setattr(ppg, "allocate_buffer", recording)
+    monkeypatch.setattr(ppg, "auxiliary_phase", lambda *arguments: pytest.fail("auxiliary_phase called with --e-aux 0"))
     rows = read_rows(ppg.train(ppg.Args(env_id="coinrun", total_timesteps=4 * 32, num_envs=4, num_steps=8,
                                         num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0,
                                         eval_episodes=2, n_pi=2, e_aux=0, save_every=2, torch_threads=1)))
     assert len([r for r in rows if "losses/policy_loss" in r]) == 4 and not any("aux/kl" in r for r in rows)
+    assert buffers == [(None, None)]
 
 
 def test_each_network_is_clipped_on_its_own():
@@ -431,53 +458,50 @@ def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in
     assert rollouts == [4, 12] and rows[-1]["global_step"] == 12 * 32
 
 
-def test_sigterm_in_an_auxiliary_phase_stops_after_the_current_minibatch(cue_env, in_tmp, monkeypatch):
-    """SIGTERM during the first auxiliary phase (12 one-rollout minibatches): it ends after the current minibatch, its
-    row is written, the checkpoint is iteration 3's, and the resumed run starts the next policy phase (the phase cut
-    short counts as done)."""
+def test_sigterm_in_an_auxiliary_phase_stops_before_the_next_minibatch(cue_env, in_tmp, monkeypatch):
+    """SIGTERM during the first auxiliary phase (12 one-rollout minibatches), which belongs to iteration 3: it stops
+    before the next minibatch, with the last whole iteration's checkpoint (iteration 2) and no row of the phase. The
+    resumed run plays iteration 3 again, keeps the phase boundaries, and that phase sees iteration 3's rollouts only."""
     cue_env(ppg)
     calls = signal_on_call(monkeypatch, "ppg_aux_loss", 2)
     with pytest.raises(SystemExit) as stop:
         ppg.train(ppg.Args(**PHASES))
     assert stop.value.code == 143 and len(calls) == 2  # the minibatch under way was finished, no further one began
     (path,) = glob.glob("runs/*/checkpoint.pt")
-    assert torch.load(path, weights_only=True)["iteration"] == 3
+    assert torch.load(path, weights_only=True)["iteration"] == 2
     before = read_rows(os.path.dirname(path))
-    assert [r["iteration"] for r in before if "aux/kl" in r] == [3]
+    assert [r["iteration"] for r in before if "losses/policy_loss" in r] == [1, 2, 3]
+    assert not any("aux/kl" in r for r in before)
     rows, rollouts = resume_to_the_end(monkeypatch, path)
-    assert rows[: len(before)] == before
+    assert rows[:2] == before[:2]  # the rows of the saved iterations are kept, iteration 3's is played again
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
     assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
-    assert rollouts == [12, 12] and rows[-1]["global_step"] == 12 * 32
+    assert rollouts == [4, 12, 12] and rows[-1]["global_step"] == 12 * 32
 
 
-def test_nonfinite_checkpoint_inside_a_phase_resumes_like_a_stop(cue_env, in_tmp, monkeypatch):
-    """checkpoint_nonfinite.pt written in iteration 5 holds iteration 4; resumed, it keeps the phase boundaries."""
+def test_nonfinite_auxiliary_loss_stops_with_one_line_and_the_last_checkpoint(cue_env, in_tmp, monkeypatch):
+    """A non-finite loss in the second auxiliary phase (iteration 6) stops the run before the step that would put a
+    NaN in the weights: one line naming the loss and the last checkpoint on disk (iteration 3's, --save-every 3),
+    which is left intact and finite."""
     cue_env(ppg)
-    update, calls = ppg.ppo_update, []
+    aux_loss, calls = ppg.ppg_aux_loss, []
 
-    def failing_update(*arguments, **keywords):
+    def failing_loss(*arguments):
         calls.append(1)
-        if len(calls) == 5:
-            raise FloatingPointError("non-finite loss nan or gradient in epoch 0")
-        return update(*arguments, **keywords)
+        loss, parts = aux_loss(*arguments)
+        return (loss * float("nan") if len(calls) == 13 else loss), parts  # phase 1: 12 minibatches
 
-    monkeypatch.setattr(ppg, "ppo_update", failing_update)
-    with pytest.raises(SystemExit, match="after iteration 4"):
-        ppg.train(ppg.Args(**PHASES))
-    (path,) = glob.glob("runs/*/checkpoint_nonfinite.pt")
-    rows, rollouts = resume_to_the_end(monkeypatch, path)
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
-    assert rollouts == [8, 12] and rows[-1]["global_step"] == 12 * 32
-
-
-def test_pinned_buffer_counts_the_allocators_power_of_two(monkeypatch):
-    """The pinned host allocator rounds a block up to a power of two: the default 6.4 GB buffer takes 8 GiB,
-    and that is what the memory check counts (unpinned, on a CPU run, it counts 6.0 GiB)."""
-    monkeypatch.setattr(ppg, "available_memory", lambda device: 2**30)
-    for device, gib in ((torch.device("cuda"), "8.0"), (torch.device("cpu"), "6.0")):  # CUDA is not touched
-        with pytest.raises(SystemExit, match=f"needs {gib} GiB per rank"):
-            ppg.aux_buffer_device(ppg.Args(aux_buffer="cpu"), device, 1)
+    monkeypatch.setattr(ppg, "ppg_aux_loss", failing_loss)
+    with pytest.raises(SystemExit, match=r"^error: non-finite auxiliary loss nan or gradient in epoch 0; the last "
+                                         r"checkpoint is iteration 3 in runs/.*/checkpoint.pt \(continue with "
+                                         r"--resume\)"):
+        ppg.train(ppg.Args(**PHASES, save_model=True))
+    assert len(calls) == 13
+    (path,) = glob.glob("runs/*/checkpoint.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["iteration"] == 3 and all(t.isfinite().all() for t in checkpoint["agent"].values())
+    rows = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3]
 
 
 @pytest.mark.cuda
@@ -492,7 +516,7 @@ def test_pinned_buffer_minibatches_copy_asynchronously_and_intact():
     torch.cuda.synchronize()
     torch.cuda._sleep(2 * 10**9)  # about a second of GPU time queued before the copies
     start = time.time()
-    copies = [ppg.rollouts_to_device((buffer,), index, device)[0] for index in indices]
+    copies = [ppg.rollouts_to_device(buffer, index, device) for index in indices]
     host_seconds = time.time() - start
     assert not torch.cuda.current_stream().query()  # the sleep still runs: the copies were only queued
     torch.cuda.synchronize()
