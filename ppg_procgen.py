@@ -70,23 +70,25 @@ class Args:
     adv_norm: Literal["minibatch", "batch", "off"] = "batch"
     """normalize advantages per minibatch (baselines PPO), over the whole batch (PPG), or not at all"""
     policy_loss: Literal["clip", "kl-penalty"] = "clip"
-    """PPO's surrogate: 'clip' (PPO paper Eq. 7) or 'kl-penalty' (its section 4: r A - beta KL(pi_old || pi))"""
+    """PPO's surrogate: 'clip' (PPO paper Eq. 7), or 'kl-penalty', the PPO paper's section-4 variant
+    (Eq. 8: r A - beta KL(pi_old || pi)), off by default"""
     clip_coef: float = 0.2
     """PPO's epsilon: the surrogate clipping range, also used for the value clipping"""
     clip_vloss: bool = False
     """clip the value loss around the rollout's values (baselines PPO; PPG's L_value is unclipped)"""
     ent_coef: float = 0.01
-    """entropy bonus coefficient"""
+    """weight of the entropy bonus S[pi] (PPO Eq. 9's c2; PPG's beta_S)"""
     vf_coef: float = 1.0  # PPG Eq. 2: weight 1 of 1/2 E[(V - V_targ)^2] (the PPG code's 0.5 MSE)
-    """value loss coefficient"""
+    """weight of the value loss 1/2 E[(V - V_targ)^2] (PPO Eq. 9's c1: 0.5 in baselines and CleanRL; PPG Eq. 2:
+    1, which the PPG code writes as 0.5 x the mean squared error)"""
     max_grad_norm: float = float("inf")
     """gradient-norm clip, of each network on its own (PPG's code: none, inf; CleanRL's PPG: 0.5 jointly)"""
     target_kl: Optional[float] = None
     """clip: stop an update after an epoch whose mean approximate KL passes this; kl-penalty: d_targ"""
     kl_beta: Optional[float] = None
-    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper, section 4: `adapt_kl_beta`)"""
+    """kl-penalty's beta: a number fixes it; None adapts it from 1 (PPO paper section 4, `adapt_kl_beta`)"""
     kl_estimator: Literal["exact", "official"] = "exact"
-    """kl-penalty's KL: 'exact' (PPO paper), or 'official' (PPG code; --kl-beta 1: results/ppgkl)"""
+    """kl-penalty's KL: 'exact' (PPO paper), or the PPG code's 1/2 (log r)^2 ('official'; its ppgkl runs)"""
     minibatch_unit: Literal["frames", "games"] = "games"
     """minibatches of random frames (CleanRL, baselines) or of whole games (the PPG code; see `minibatches`)"""
     adam_eps: float = 1e-8
@@ -146,8 +148,8 @@ class Args:
     save_every: int = 128
     """iterations between checkpoints (with --save-model)"""
     resume: Optional[str] = None
-    """continue the run of this checkpoint with its flags, bit for bit as if never stopped, but for
-    the games in progress (fresh ones; docs/reliability.md)"""
+    """continue the run of this checkpoint with its flags, weights, optimizer, RNG and reward
+    statistics as saved; the games in progress start afresh (docs/reliability.md)"""
     eval_only: bool = False
     """only evaluate the agent of --checkpoint (with --capture-video: and film it)"""
     checkpoint: Optional[str] = None
@@ -171,8 +173,8 @@ class Args:
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
     the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
-    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.num_levels, args.start_level,
-                         args.env_threads, args.env_backend)
+    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, num_levels=args.num_levels,
+                         start_level=args.start_level, num_threads=args.env_threads)
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
 
@@ -395,12 +397,13 @@ def explained_variance(returns, values):
     return (1 - (residual_std / returns_std) ** 2).item()
 
 
-def ppo_update(agent, optimizer, batch, args, epochs_pi, epochs_v, autocast, kl_beta=None,
-               check_stop=None):
-    """PPO on one rollout `batch` (flat tensors): the policy loss for `epochs_pi` epochs, the value
-    loss for `epochs_v` (PPO: both = update_epochs; PPG: E_pi and E_V). Returns mean statistics; "kl"
-    is the KL before each step of the last epoch; kl-penalty adds "kl_after", after the update.
-    `check_stop()`, called before each minibatch, may raise to drop the update (a signal)."""
+def ppo_update(agent, optimizer, batch, args, kl_beta=None, check_stop=None):
+    """PPO on one rollout `batch` (flat tensors): E_pi epochs of the policy loss, E_V of the value
+    loss. Returns mean statistics; "kl" is the KL before each step of the last epoch; kl-penalty
+    adds "kl_after", after the update. `check_stop()`, called before each minibatch, may raise to
+    drop the update (a signal)."""
+    epochs_pi, epochs_v = args.e_pi, args.e_v
+    autocast = functools.partial(torch.autocast, batch["obs"].device.type, torch.bfloat16, enabled=args.amp)
     batch_size = batch["obs"].shape[0]
     minibatch_size = batch_size // args.num_minibatches
     advantages = batch["advantages"]
@@ -554,7 +557,6 @@ def train(args):
     next_obs = frames_to_device(envs.reset(seed=game_seed(args.seed, start_iteration, run.rank))[0])
     next_done = torch.zeros(local_envs, device=device)
     global_step = (start_iteration - 1) * batch_size
-    policy_phase_start = time.perf_counter()
     # A signal stops the run at the next rollout step or minibatch, saving the last whole iteration.
     with StopOnSignal(run, closing=(envs,)) as stop:
         for iteration in range(start_iteration, num_iterations + 1):
@@ -599,7 +601,7 @@ def train(args):
             batch = dict(obs=obs.flatten(0, 1), actions=actions.flatten(), log_probs=log_probs.flatten(),
                          logits=rollout_logits.flatten(0, 1), advantages=advantages.flatten(),
                          returns=returns.flatten(), values=values.flatten())
-            stats = ppo_update(policy, optimizer, batch, args, args.e_pi, args.e_v, autocast, kl_beta, stop.check)
+            stats = ppo_update(policy, optimizer, batch, args, kl_beta, stop.check)
             stats["kl_beta"] = kl_beta if args.policy_loss == "kl-penalty" else None
             if args.policy_loss == "kl-penalty" and args.kl_beta is None:
                 kl_beta = adapt_kl_beta(kl_beta, stats["kl_after"], args.target_kl)
@@ -610,25 +612,19 @@ def train(args):
                 aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
                 aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
 
+            # Auxiliary phase (every N_pi iterations), after the policy phase's last iteration. As in the
+            # PPG code, none follows the run's last iteration: no policy phase would use what it learned.
+            if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
+                # A run resumed inside this phase has filled only the slots of its own iterations.
+                filled = min(args.n_pi, iteration - start_iteration + 1)
+                stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
+                                             aux_value_targets[-filled:].flatten(0, 1), args, stop.check))
+
             # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
             stats.update({"time/rollout": update_start - rollout_start, "time/env": env_seconds,
                           "time/update": time.perf_counter() - update_start,
                           "charts/learning_rate": optimizer.param_groups[0]["lr"]})
             log_iteration(run, iteration, global_step, episodes, stats)
-
-            # Auxiliary phase (every N_pi iterations). As in the PPG code, none follows the last
-            # iteration, since no policy phase would use what it learned.
-            if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
-                # A run resumed inside this phase has filled only the slots of its own iterations.
-                filled = min(args.n_pi, iteration - start_iteration + 1)
-                aux_phase_start = time.perf_counter()
-                aux_stats = auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
-                                            aux_value_targets[-filled:].flatten(0, 1), args, stop.check)
-                aux_stats.update({"time/policy_phase": aux_phase_start - policy_phase_start,
-                                  "time/aux_phase": time.perf_counter() - aux_phase_start})
-                log_aux_phase(run, iteration, global_step, aux_stats)
-                policy_phase_start = time.perf_counter()
-            # Every iteration again (step 4): evaluate, save a checkpoint, stop.
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 evaluate_and_log(run, agent, iteration, global_step)
             state = checkpoint_state(run, iteration, agent, optimizers, envs.env, kl_beta)
@@ -691,8 +687,8 @@ def evaluate(agent, args, device, num_episodes, seed, video_path=None):
     with N = 0 training covers them all."""
     if num_episodes == 0:  # more ranks than evaluation episodes
         return []
-    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, 0, 0,
-                                                 args.env_threads, args.env_backend))
+    envs = RecordEpisodeStatistics(ProcgenVecEnv(num_episodes, args.env_id, args.distribution_mode, args.env_backend,
+                                                 num_threads=args.env_threads))
     obs, _ = envs.reset(seed=seed)
     returns = np.full(num_episodes, np.nan)
     frames = [obs[0]]
@@ -735,13 +731,12 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", num_levels=0, start_level=0,
-                 num_threads=1, backend="auto"):
+    def __init__(self, num_envs, env_id, distribution_mode="easy", backend="auto", **options):
+        """`options`: procgen's num_levels, start_level and num_threads (its defaults: 0, 0, 1)."""
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
         self.backend = procgen_backend(backend)
-        self.options = dict(env_name=env_id, distribution_mode=distribution_mode,
-                            num_levels=num_levels, start_level=start_level, num_threads=num_threads)
+        self.options = dict(env_name=env_id, distribution_mode=distribution_mode, **options)
         self.num_envs = num_envs
         self.env = None  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
@@ -921,8 +916,9 @@ def run_folder(args, checkpoint, rank):
     if args.resume:
         directory = os.path.dirname(os.path.abspath(args.resume))
         require(os.access(directory, os.W_OK), f"--resume {args.resume}: folder not writable")
-        for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True) if rank == 0 else ():
-            os.remove(path)
+        if rank == 0:  # the .tmp files of killed writes (the files they were to replace are whole)
+            for path in glob.glob(os.path.join(directory, "**", "*.tmp"), recursive=True):
+                os.remove(path)
         return checkpoint["run_name"], directory
     kind = "__eval" if args.eval_only else ""
     name = [f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}_{secrets.token_hex(4)}{kind}"]
@@ -1060,12 +1056,12 @@ class StopOnSignal:
 
 
 def end_run(run, closing, error, signum):
-    """How a run ends: after a signal, with the last whole iteration saved and exit 128 + signal;
-    after a non-finite loss, with one line and exit 1 (the last checkpoint is intact: the step that
-    would have put a NaN in the weights was not taken). The games, the log and the process group
-    are closed first."""
+    """How a run ends, once the games, the log and the process group are closed: after a signal,
+    with the last whole iteration saved and exit 128 + signal; after a non-finite loss, with one
+    line and exit 1 (the last checkpoint is intact: the step that would have put a NaN in the
+    weights was not taken)."""
+    close_run(run, closing)  # IMPALA's actor first: it plays no further while the checkpoint is written
     saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
-    close_run(run, closing)
     name = signal.Signals(signum).name
     if isinstance(error, Interrupted) and saved_now:
         print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
@@ -1188,15 +1184,6 @@ def log_iteration(run, iteration, global_step, episodes, stats):
 
 def mean_or_none(values):
     return float(np.mean(values)) if len(values) else None
-
-
-def log_aux_phase(run, iteration, global_step, stats):
-    """An auxiliary phase's row (its mean losses and seconds, with those of the policy phase
-    before it) and its console line."""
-    run.logger.log({"global_step": global_step, "iteration": iteration, **stats})
-    losses = " ".join(f"{key[4:]} {value:.4f}" for key, value in stats.items() if "aux/" in key)
-    print(f"aux phase: policy phase {stats['time/policy_phase']:.1f}s, aux phase "
-          f"{stats['time/aux_phase']:.1f}s | {losses}", flush=True)
 
 
 def checkpoint_state(run, iteration, agent, optimizers, normalizer, kl_beta):
@@ -1339,10 +1326,12 @@ def require(ok, message):
 
 
 def check_ranges(args, positive=(), non_negative=(), fractions=()):
-    """Each numeric flag in its range; None means unset (NaN is in no range)."""
+    """Each numeric flag finite (--max-grad-norm may be inf: no clipping) and in its range; None
+    means unset."""
     for flag in (*positive, *non_negative, *fractions):
         value, name = getattr(args, flag), "--" + flag.replace("_", "-")
         if value is not None:
+            require(math.isfinite(value) or flag == "max_grad_norm" and value == math.inf, f"{name} {value} must be finite")
             require(flag not in positive or value > 0, f"{name} {value} must be > 0")
             require(flag not in non_negative or value >= 0, f"{name} {value} must be >= 0")
             require(flag not in fractions or 0 <= value <= 1, f"{name} {value} must be in [0, 1]")

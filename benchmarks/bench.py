@@ -88,21 +88,25 @@ def run_once(script, flags, iterations, warmup, workdir):
 
 
 def measure(rows, warmup):
-    """From a run's metrics rows: the measured iterations, the auxiliary phases after and within the warm-up, and the
-    seconds from the loop's start to the end of the warm-up."""
-    at = [index for index, row in enumerate(rows) if "charts/SPS" in row]  # the iteration rows' places in the file
-    # Each measured iteration's time is the gap since the previous row: everything the loop did, PPG's auxiliary
-    # phase included (it runs between two iteration rows, and its own row lies between them).
+    """From a run's metrics rows: the measured iterations, PPG's auxiliary phases after and within the warm-up, and
+    the seconds from the loop's start to the end of the warm-up. Each measured iteration's time is the gap since the
+    previous iteration's row: everything the loop did. PPG's auxiliary phase runs inside the iteration that ends a
+    policy phase (its row has the aux/ columns), so its seconds are that row's time/update less the median
+    time/update of the iterations without one."""
+    iterations = [row for row in rows if "charts/SPS" in row]
+    with_aux = [any(key.startswith("aux/") for key in row) for row in iterations]
+    plain = [row["time/update"] for row, aux in zip(iterations, with_aux) if not aux and "time/update" in row]
+    policy_update = statistics.median(plain) if plain else 0.0
+    aux_seconds = [row["time/update"] - policy_update if aux else 0.0 for row, aux in zip(iterations, with_aux)]
     measured = []
-    for before, after in zip(at[warmup - 1 :], at[warmup:]):
-        aux_seconds = sum(row["time/aux_phase"] for row in rows[before:after] if "time/aux_phase" in row)
-        measured.append(dict(rows[after], steps=rows[after]["global_step"] - rows[before]["global_step"],
-                             seconds=rows[after]["time"] - rows[before]["time"], aux_seconds=aux_seconds))
-    boundary = at[warmup - 1]  # the last warm-up iteration's row
-    aux = [(index, row["time/aux_phase"]) for index, row in enumerate(rows) if "time/aux_phase" in row]
-    return {"measured": measured, "aux_phases": [seconds for index, seconds in aux if index > boundary],
-            "aux_phases_warmup": [seconds for index, seconds in aux if index < boundary],
-            "warmup_s": rows[boundary]["time"]}
+    for index in range(warmup, len(iterations)):
+        before, after = iterations[index - 1], iterations[index]
+        measured.append(dict(after, steps=after["global_step"] - before["global_step"],
+                             seconds=after["time"] - before["time"], aux_seconds=aux_seconds[index]))
+    aux = [(index, seconds) for index, (seconds, has) in enumerate(zip(aux_seconds, with_aux)) if has]
+    return {"measured": measured, "aux_phases": [seconds for index, seconds in aux if index >= warmup],
+            "aux_phases_warmup": [seconds for index, seconds in aux if index < warmup],
+            "warmup_s": iterations[warmup - 1]["time"]}
 
 
 def summarize(name, rounds):

@@ -116,7 +116,8 @@ Inputs:
   aux_value_targets  [R, T]
   args               e_aux, beta_clone, max_grad_norm, n_aux_grad_accum; the minibatch
                      size in whole rollouts is aux_rollouts_per_rank(args)
-  device; autocast   a context-manager factory: run the forward passes in `with autocast():`
+  check_stop         None, or a function to call before each minibatch (it raises to stop
+                     the run on a signal); the grader leaves it out
 Output: {"aux/aux_value_loss": .., "aux/kl": .., "aux/value_loss": ..}, each part of
 ppg_aux_loss averaged over the phase's minibatches (then all_reduce_mean over the ranks).
 

@@ -46,8 +46,7 @@ def ppg_case():
 
     def step(part):
         optimizer = torch.optim.SGD(agent.networks(), lr=1.0)
-        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs[part], aux_value_targets[part], args,
-                            torch.device("cpu"), contextlib.nullcontext)
+        ppg.auxiliary_phase(agent.forward_aux, optimizer, aux_obs[part], aux_value_targets[part], args)
         return torch.cat([p.detach().flatten() for p in agent.parameters()])
     return agent, step
 

@@ -188,21 +188,21 @@ def test_bench_keeps_the_configurations_that_ran_and_records_a_failed_ones_error
 
 
 def test_ppg_policy_and_auxiliary_phases_are_measured_apart():
-    """Hand-made PPG rows, N_pi = 2, warm-up 3: the first (cold) auxiliary phase falls in the warm-up, the others are
-    taken out of the policy phase's time."""
-    def iteration(number, time):
-        return {"global_step": 100 * number, "iteration": number, "time": time, "charts/SPS": 0.0}
+    """Hand-made PPG rows, N_pi = 2, warm-up 3: a policy update takes 0.5 s, and an auxiliary phase, inside the
+    iteration that ends its policy phase, adds its seconds to that row's time/update. The first (cold) phase falls
+    in the warm-up, the others are taken out of the policy phase's time."""
+    def iteration(number, time, aux_seconds=None):
+        row = {"global_step": 100 * number, "iteration": number, "time": time, "charts/SPS": 0.0,
+               "time/update": 0.5 + (aux_seconds or 0.0)}
+        return row if aux_seconds is None else dict(row, **{"aux/kl": 0.0})
 
-    def aux(number, seconds):
-        return {"global_step": 100 * number, "iteration": number, "time/aux_phase": seconds}
-
-    rows = [iteration(1, 1.0), iteration(2, 2.0), aux(2, 5.0), iteration(3, 8.0), iteration(4, 9.0), aux(4, 2.0),
-            iteration(5, 12.0), iteration(6, 13.0), aux(6, 2.0), iteration(7, 16.0)]
+    rows = [iteration(1, 1.0), iteration(2, 7.0, 5.0), {"global_step": 200, "eval/episodic_return": 1.0},
+            iteration(3, 8.0), iteration(4, 11.0, 2.0), iteration(5, 12.0), iteration(6, 15.0, 2.0), iteration(7, 16.0)]
     measured = bench.measure(rows, warmup=3)
     assert measured["aux_phases_warmup"] == [5.0] and measured["aux_phases"] == [2.0, 2.0]
     assert measured["warmup_s"] == 8.0
     assert [(r["steps"], r["seconds"], r["aux_seconds"]) for r in measured["measured"]] == [
-        (100, 1.0, 0.0), (100, 3.0, 2.0), (100, 1.0, 0.0), (100, 3.0, 2.0)]
+        (100, 3.0, 2.0), (100, 1.0, 0.0), (100, 3.0, 2.0), (100, 1.0, 0.0)]
     summary = bench.summarize("n_pi_2", [dict(measured, process_s=20.0, rss=2**30)])
     assert summary["sps_policy_phase"] == pytest.approx(100.0)  # 100 steps in 1 s, every iteration
     assert summary["sps_overall"] == pytest.approx(400 / 8.0) and summary["aux_phase_s"] == 2.0

@@ -26,10 +26,11 @@ PLUMBING = {"Run", "Logger", "ProcgenVecEnv", "FramesToDevice", "PROCGEN_RANGES"
 STORY_NAMES = {"ppo_rlhf_toy.py": {"evaluate"}}
 # What the diff of the PPO and PPG stories may not call (judged on the code's calls, not on substrings): logging,
 # evaluation, timing, signals, torch.distributed, checkpoints, the placement of PPG's buffer and print. Calls by name,
-# and calls of a method on these objects. Both stories time and log their parts in lines they share.
+# and calls of a method on these objects. Both stories time and log their parts in lines they share; PPG's one line
+# that creates its buffer B (`allocate_buffer`, which places it in the appendix) is the algorithm's.
 PLUMBING_CALLS = {"print", "Logger", "log_iteration", "evaluate_and_log", "StopOnSignal", "save_checkpoint",
                   "load_checkpoint", "restore", "checkpoint_state", "torch.save", "torch.load", "time.perf_counter",
-                  "time.time", "allocate_buffer", "aux_buffer_device", "log_aux_phase", "run.logger.log"}
+                  "time.time", "aux_buffer_device", "available_memory", "log_aux_phase", "run.logger.log"}
 PLUMBING_RECEIVERS = {"logger", "run.logger", "signal", "dist", "torch.distributed", "time"}
 
 
@@ -111,9 +112,9 @@ def test_the_docs_say_what_the_diff_with_ppo_holds(script):
 
 
 def test_ppg_train_shows_both_phases_of_algorithm_1():
-    """PPG's `train` shows Algorithm 1: a policy phase that adds (s_t, V_targ) to B before the iteration's log line,
-    then the auxiliary phase under its own heading, calling `auxiliary_phase` itself; the auxiliary minibatch rule
-    (`aux_rollouts_per_rank`) is part of the story, defined before `train`."""
+    """PPG's `train` shows Algorithm 1: a policy phase that adds (s_t, V_targ) to B, then the auxiliary phase under
+    its own heading, calling `auxiliary_phase` itself, then the iteration's log line (shared with PPO); the auxiliary
+    minibatch rule (`aux_rollouts_per_rank`) is part of the story, defined before `train`."""
     source = read("ppg_procgen.py")
     node = train_node(source)
     body = ast.get_source_segment(source, node)
@@ -125,7 +126,7 @@ def test_ppg_train_shows_both_phases_of_algorithm_1():
     log = next(i for i, line in enumerate(lines) if "log_iteration(" in line)
     auxiliary = next(i for i, line in enumerate(lines) if line.strip().startswith("# Auxiliary phase (every N_pi"))
     phase_call = next(i for i, line in enumerate(lines) if "auxiliary_phase(" in line)
-    assert policy < add_to_b < log < auxiliary < phase_call
+    assert policy < add_to_b < auxiliary < phase_call < log
     definitions = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
     assert definitions.index("aux_rollouts_per_rank") < definitions.index("train")
 
@@ -214,8 +215,9 @@ def test_no_appendix_function_or_class_is_long(name):
     assert not long_blocks, f"appendix blocks over {SCREEN_LINES} lines: {long_blocks}"
 
 
-# The equations' own signatures, which the papers give (GAE's seven inputs, V-trace's), may be longer.
-EQUATIONS = {"compute_gae", "from_importance_weights", "from_logits"}
+# The equations' own signatures, which the papers give (GAE's seven inputs, V-trace's, IMPALA's loss with its
+# coefficients b and e), may be longer.
+EQUATIONS = {"compute_gae", "from_importance_weights", "from_logits", "vtrace_loss"}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

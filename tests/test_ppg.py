@@ -1,6 +1,6 @@
 """ppg_procgen.py: the auxiliary phase, both architectures, the memory check, learning, and the CLI end to end."""
-import contextlib
 import copy
+import dataclasses
 import glob
 import json
 import os
@@ -130,8 +130,8 @@ def test_value_only_epochs_leave_the_policy_network_alone():
     for e_v in (1, 3):
         trained = copy.deepcopy(agent)
         torch.manual_seed(4)
-        ppg.ppo_update(trained, torch.optim.Adam(trained.parameters(), lr=1e-3), batch, args, 1, e_v,
-                       contextlib.nullcontext)
+        ppg.ppo_update(trained, torch.optim.Adam(trained.parameters(), lr=1e-3), batch,
+                       dataclasses.replace(args, e_pi=1, e_v=e_v))
         policy_weights.append([p.clone() for m in (trained.trunk, trained.actor) for p in m.parameters()])
         value_weights = [p.clone() for m in (trained.value_trunk, trained.critic) for p in m.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(*policy_weights))
@@ -159,7 +159,7 @@ def test_policy_phase_value_step_is_the_official_one(optimizer_name):
         return torch.cat([p.detach().flatten() for p in [*model.value_trunk.parameters(), *model.critic.parameters()]])
 
     before = value_weights(agent)
-    ppg.ppo_update(agent, make_optimizer(agent.networks()), batch, args, args.e_pi, args.e_v, contextlib.nullcontext)
+    ppg.ppo_update(agent, make_optimizer(agent.networks()), batch, args)
     optimizer = make_optimizer([*reference.value_trunk.parameters(), *reference.critic.parameters()])
     value = reference(batch["obs"])[1]
     (0.5 * ((value - batch["returns"]) ** 2).mean()).backward()  # the official code's value loss
