@@ -1008,7 +1008,8 @@ def drop_rows_after(path, iteration):
 def log_iteration(run, iteration, global_step, episodes, stats):
     """One row (and one console line) per iteration: every rank's `episodes` (return, length),
     the last 100 of them, SPS and the ETA since this process began, and `stats`: the losses (means
-    over the ranks; logged as losses/<name>) and the columns named with a '/' (time/..., charts/...)."""
+    over the ranks; logged as losses/<name>) and the columns named with a '/' (time/..., charts/...,
+    a script's own such as PPG's aux/...). The console shows four losses and the script's own."""
     episodes = gather(episodes)  # every rank's episodes count
     returns = [episode_return for episode_return, _ in episodes]
     run.recent_returns.extend(returns)
@@ -1027,7 +1028,8 @@ def log_iteration(run, iteration, global_step, episodes, stats):
     eta = (num_iterations - iteration) * global_step / iteration / sps / 60
     timers = ", ".join(f"{key[5:]} {value:.1f}s" for key, value in stats.items() if key.startswith("time/"))
     mean_return = f"{np.mean(returns):.2f} ({len(returns)} eps)" if returns else "-"
-    shown = " ".join(f"{key} {value:.4g}" for key, value in list(losses.items())[:4])
+    own = [(key, value) for key, value in stats.items() if "/" in key and key.split("/")[0] not in ("time", "charts")]
+    shown = " ".join(f"{key} {value:.4g}" for key, value in list(losses.items())[:4] + own if value is not None)
     print(f"iter {iteration}/{num_iterations} | step {global_step:,} | SPS {sps:,.0f} ({timers}) | "
           f"ETA {eta:.1f} min | return {mean_return} | {shown}", flush=True)
 
