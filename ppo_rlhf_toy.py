@@ -42,10 +42,9 @@ class Args:
     corpus_size: int = 20000
     """sentences in the SFT corpus"""
     max_response_len: int = 12
-    """response tokens sampled after the prompt (<bos> DET NOUN); every corpus response fits"""
+    """response tokens sampled after the prompt (<bos> DET NOUN)"""
     num_pairs: int = 4000
-    """preference pairs sampled from the SFT policy; pairs without EOS are dropped, 10% are held out,
-    and training pairs that share a sentence with a held-out pair are dropped"""
+    """preference pairs sampled from the SFT policy (those without EOS dropped; 10% held out)"""
     label_noise: float = 0.5
     """tau of the labeller p(a preferred) = sigmoid((r*(a) - r*(b)) / tau); small = near-certain"""
     # models, SFT, reward model
@@ -65,15 +64,13 @@ class Args:
     """RM Adam learning rate, linearly decayed to 0 (as OAI)"""
     # the RL stage: PPO, or a critic-free group baseline in the same loop
     advantage: Literal["gae", "grpo", "rloo"] = "gae"
-    """the advantage estimator, all else of the loop the same. gae: PPO, a critic (from the RM) and
-    GAE; grpo: GRPO's group-normalised score, no critic; rloo: RLOO's leave-one-out baseline, no
-    critic. Both keep PPO's clipped surrogate, epochs, minibatches and token mean (docs/rlhf.md)"""
+    """the advantage estimator, all else the same. gae: PPO's critic (from the RM) and GAE; grpo:
+    GRPO's group-normalised score; rloo: RLOO's leave-one-out baseline (docs/rlhf.md)"""
     group_size: int = 4
     """k: responses sampled per prompt for grpo and rloo, the batch still --rollout-batch-size"""
     kl_penalty: Optional[Literal["reward", "loss"]] = None
-    """where the KL to pi_ref enters. reward: -beta * KL_t in each token's reward (InstructGPT Eq. 2,
-    --kl-estimator); loss: + beta * k3 per token in the loss (GRPO eq. 3-4). Default: loss for
-    grpo, reward for gae and rloo, as their papers"""
+    """where the KL to pi_ref enters: reward: -beta * KL_t per token (InstructGPT Eq. 2); loss:
+    + beta * k3 per token (GRPO eq. 3-4). Default: loss for grpo, reward otherwise, as the papers"""
     ppo_iterations: int = 100
     """RL iterations (rollout + update)"""
     rollout_batch_size: int = 128
@@ -89,13 +86,11 @@ class Args:
     temperature: float = 0.7
     """sampling temperature (OAI/N+ value); rollout, reference and update all divide logits by it"""
     beta: float = 0.05
-    """KL coefficient of InstructGPT Eq. 2: a leash to pi_ref (the SFT model) over the whole run,
-    unlike the clip (--clip-coef); the initial value with --adaptive-kl"""
+    """KL coefficient of InstructGPT Eq. 2, a leash to pi_ref (the SFT model) for the whole run (the
+    initial value with --adaptive-kl)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL in the reward. k1 = log pi - log pi_ref; k3 = (r - 1) - log r, r = pi_ref / pi
-    (offered by TRL): the same expectation, but as a reward its policy gradient is grad KL(pi ||
-    pi_ref) - grad KL(pi_ref || pi), which does not pull pi back to pi_ref. Offered to show that;
-    use k1"""
+    """per-token KL in the reward: k1 = log pi - log pi_ref; k3 = (r - 1) - log r, r = pi_ref / pi,
+    whose gradient as a reward does not pull pi back to pi_ref (kl_estimate): offered to show that"""
     adaptive_kl: bool = False
     """adapt beta with Ziegler et al.'s proportional controller towards --kl-target"""
     kl_target: float = 6.0
@@ -117,8 +112,8 @@ class Args:
     missing_eos_penalty: float = -1.0
     """score given instead of the RM's to a response without EOS (the 'EOS trick' of OAI and N+)"""
     ptx_coef: float = 0.0
-    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus batches added to every
-    PPO minibatch loss. 0 = plain PPO, InstructGPT's "PPO" models"""
+    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus sentences in every
+    minibatch loss; 0: plain PPO, InstructGPT's "PPO" models"""
     # ---- the run: seeding and device, evaluation, logging, checkpoints, speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run name)"""
@@ -133,8 +128,7 @@ class Args:
     bon_pool: int = 256
     """best-of-n baseline: SFT samples per prompt (32 prompts); n = 1, 2, 4, ... up to this"""
     sweep: bool = False
-    """run PPO once per --sweep-betas from the same SFT policy and RM (benchmarks/rlhf_seeds.py plots
-    it)"""
+    """run PPO once per --sweep-betas from the same SFT policy and RM (plot: benchmarks/rlhf_seeds.py)"""
     sweep_betas: Tuple[float, ...] = (0.0, 0.01, 0.05, 0.2)
     """KL coefficients of the sweep"""
     track: bool = False
@@ -146,8 +140,7 @@ class Args:
     wandb_mode: Literal["online", "offline"] = "online"
     """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
     save_model: bool = False
-    """write runs/<run_name>/sft.pt and rm.pt when their stage ends, and the PPO policy at the end
-    (also when interrupted)"""
+    """write runs/<run_name>/sft.pt, rm.pt and the PPO policy as each stage ends (also interrupted)"""
     load_sft: Optional[str] = None
     """load the SFT policy from this checkpoint instead of training it"""
     load_rm: Optional[str] = None

@@ -140,6 +140,22 @@ def test_k3_as_a_reward_has_the_gradient_of_forward_minus_reverse_kl_and_k1_that
     assert (reward_gradient["k3"] - gradient(forward_kl)).abs().max() > 0.05
 
 
+def test_k3_in_the_loss_has_the_gradient_of_the_reverse_kl():
+    """GRPO's KL term is a loss, differentiated through log pi at the sampled tokens (no policy-gradient term): exact,
+    by enumeration, its expected gradient E_pi[grad k3] is grad KL(pi_ref || pi), not grad KL(pi || pi_ref), the
+    gradient that k1 in the reward gives. The same beta is therefore a different leash in the two places."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref_logp = torch.randn(6, dtype=torch.float64).log_softmax(0)
+    logp = theta.log_softmax(0)
+    probs = logp.exp().detach()  # the tokens were sampled by pi_old = pi: fixed weights, as in the loss
+    loss_gradient = torch.autograd.grad((probs * M.kl_estimate(logp, ref_logp, "k3")).sum(), theta)[0]
+    reverse_kl = (ref_logp.exp() * (ref_logp - theta.log_softmax(0))).sum()
+    forward_kl = (theta.log_softmax(0).exp() * (theta.log_softmax(0) - ref_logp)).sum()
+    torch.testing.assert_close(loss_gradient, torch.autograd.grad(reverse_kl, theta)[0])
+    assert (loss_gradient - torch.autograd.grad(forward_kl, theta)[0]).abs().max() > 0.05
+
+
 # ---------------------------------------------------------------- the critic-free estimators: GRPO and RLOO
 def naive_group_relative(scores, k, eps=1e-4):
     """GRPO's advantage by hand in float64: each group's mean and sample std (ddof 1) in plain loops."""
