@@ -140,7 +140,8 @@ class Args:
     wandb_mode: Literal["online", "offline"] = "online"
     """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
     save_model: bool = False
-    """write runs/<run_name>/sft.pt, rm.pt and the PPO policy as each stage ends (also interrupted)"""
+    """write runs/<run_name>/sft.pt and rm.pt as their stages end, and the PPO policy (also when
+    interrupted)"""
     load_sft: Optional[str] = None
     """load the SFT policy from this checkpoint instead of training it"""
     load_rm: Optional[str] = None
@@ -875,7 +876,6 @@ class Run:
     """What the stages share of the run: its flags, device, directory, log and start time."""
     args: Args
     device: torch.device
-    name: str
     dir: str
     log: "Logger"
     start: float
@@ -893,7 +893,7 @@ def start_run(args):
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     print(f"run {name} on {device}")
-    return Run(args, device, name, run_dir, Logger(args, run_dir, name), time.time())
+    return Run(args, device, run_dir, Logger(args, run_dir, name), time.time())
 
 
 def create_run_dir(args):
