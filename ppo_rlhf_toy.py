@@ -167,7 +167,8 @@ PROMPT_LEN = 3
 CATEGORY = {word: category for words, category in [
     (DETS, "D"), (NOUNS, "N"), (VERBS, "V"), (["not"], "T"), (ADVS, "A"), (POSITIVE, "P"), (NEGATIVE, "M"),
     (CONJS, "C"), (["."], "E"), (["<pad>", "<bos>"], "_")] for word in words}
-GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")  # response: VERB [not] [ADV] ADJ (CONJ [not] [ADV] ADJ)* "."
+# a response: VERB [not] [ADV] ADJ (CONJ [not] [ADV] ADJ)* "."
+GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")
 
 
 def make_sentence(rng, max_response_len):
@@ -435,7 +436,8 @@ def train_reward_model(run, sft, pairs):
                          f"(pairs with EOS: {len(chosen)}); use more pairs or more --sft-steps")
     config = replace(sft.config, out_dim=1, banned_tokens=())  # the SFT's architecture
     rm = TinyTransformer(config).to(device)
-    body = {key: value for key, value in sft.state_dict().items() if not key.startswith("head") and key != "banned"}
+    body = {key: value for key, value in sft.state_dict().items()
+            if not key.startswith("head") and key != "banned"}
     rm.load_state_dict(body, strict=False)
     optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
 
@@ -693,8 +695,8 @@ def ppo_update(rl, optimizer, batch, args, beta):
             queries, responses, mask = minibatch["queries"], minibatch["responses"], minibatch["mask"]
             logp, all_logp = response_logprobs(rl.policy, queries, responses, args.temperature)
             logp = logp * mask
-            pg_loss, minibatch_stats = clipped_surrogate_loss(logp, minibatch["logp"], minibatch["advantages"],
-                                                              mask, args.clip_coef)
+            pg_loss, minibatch_stats = clipped_surrogate_loss(
+                logp, minibatch["logp"], minibatch["advantages"], mask, args.clip_coef)
             loss = pg_loss
             if rl.critic is not None:  # PPO's second network; GRPO and RLOO have none
                 values = rl.critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1]
@@ -800,7 +802,8 @@ def best_of_n(args, sft, score_fn, device):
     for n in (2 ** k for k in range(int(math.log2(pool_size)) + 1)):
         weight = best_of_n_weights(pool_size, n)
         rows.append({"stage": "bon", "n": n, "kl_bound": best_of_n_kl_bound(n),
-                     "proxy/score": float((proxy @ weight).mean()), "gold/score": float((gold @ weight).mean())})
+                     "proxy/score": float((proxy @ weight).mean()),
+                     "gold/score": float((gold @ weight).mean())})
     return rows
 
 
@@ -843,7 +846,7 @@ def train(args: Args):
         histories = {}
         finals = {}
         for beta in args.sweep_betas if args.sweep else (args.beta,):
-            torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
+            torch.manual_seed(args.seed)  # each run of a sweep sees the same random stream: only beta differs
             critic = critic_from_reward_model(rm, rm_info) if args.advantage == "gae" else None
             rl = RLSetup(policy=copy.deepcopy(sft).requires_grad_(True), ref_policy=ref_policy, critic=critic,
                          score_fn=score_fn, sample_prompts=functools.partial(random_prompts, device=device),
@@ -949,7 +952,8 @@ class StopOnSignal:
         print(f"\n{name}: stopping after the current step (again: stop now)", flush=True)
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        self.previous = {signum: signal.signal(signum, self.handler) for signum in signals}
         return self
 
     def __exit__(self, exception_type, exception, traceback):
@@ -1006,10 +1010,11 @@ def load_checkpoint(path, flag, device):
             warnings.simplefilter("ignore")
             checkpoint = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as error:
-        what = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                    "a Python object")
-        raise SystemExit(f"error: {flag} {path}: refused, it holds more than tensors and plain values ({what}); "
-                         "nothing in it was run")
+        lines = [line.strip() for line in str(error).splitlines()
+                 if "GLOBAL" in line or "Unsupported" in line]
+        what = lines[0] if lines else "a Python object"
+        raise SystemExit(f"error: {flag} {path}: refused, it holds more than tensors and plain values "
+                         f"({what}); nothing in it was run")
     except Exception as error:  # torch raises RuntimeError, EOFError, KeyError... on damaged files
         raise SystemExit(f"error: {flag} {path}: cannot be read, damaged or not a torch checkpoint "
                          f"({first_line(error)})")
@@ -1049,8 +1054,8 @@ class Logger:
             f"|{key}|{value}|" for key, value in asdict(args).items()))  # as CleanRL
         if args.track:
             import wandb  # slow to import: only when asked
-            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
-                                    name=run_name, config=asdict(args), dir=run_dir)
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                                    mode=args.wandb_mode, name=run_name, config=asdict(args), dir=run_dir)
 
     def writer(self, subdirectory):
         if subdirectory not in self.writers:
@@ -1105,7 +1110,8 @@ def ppo_record(batch, stats, beta):
         "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
         "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
         "loss/policy_avg": mean["pg_loss"]}
-    for key, name in (("vf_loss", "loss/value_avg"), ("kl_loss", "loss/kl_avg"), ("ptx_loss", "loss/ptx_avg")):
+    optional = (("vf_loss", "loss/value_avg"), ("kl_loss", "loss/kl_avg"), ("ptx_loss", "loss/ptx_avg"))
+    for key, name in optional:
         if key in mean:  # the value loss: PPO only; the KL loss: with --kl-penalty loss; ptx: --ptx-coef
             record[name] = mean[key]
     record.update({"val/ratio": mean["ratio"], "val/ratio_var": float(np.var([m["ratio"] for m in stats])),
@@ -1137,10 +1143,10 @@ def ppo_log_line(record, iteration, args, start):
     """The console line of an RL iteration, with the time left at this iteration's pace."""
     eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
     return (f"{RL_NAME[args.advantage].lower()} beta={record['objective/kl_coef']:.3g} it {iteration}/"
-            f"{args.ppo_iterations} | {record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | "
-            f"proxy {record['objective/scores']:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
-            f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
-            f"ratio {record['val/ratio']:.3f}")
+            f"{args.ppo_iterations} | {record['eps']:.0f} eps | ETA {eta:.0f}s | kl "
+            f"{record['objective/kl']:.2f} | proxy {record['objective/scores']:+.2f} | gold "
+            f"{record.get('gold/score', math.nan):+.2f} | ent {record['objective/entropy']:.2f} | clipfrac "
+            f"{record['policy/clipfrac_avg']:.3f} | ratio {record['val/ratio']:.3f}")
 
 
 def log_summary(run, rm_info, sft_eval, finals, bon):
@@ -1148,8 +1154,9 @@ def log_summary(run, rm_info, sft_eval, finals, bon):
     bound) and logs it as the "summary" record, which it returns."""
     args = run.args
     print(f"\n=== summary ({time.time() - run.start:.0f}s) ===\nreward model: held-out accuracy "
-          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling {rm_info['rm/label_ceiling']:.3f}), "
-          f"{rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold order\n              "
+          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
+          f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
+          "order\n              "
           f"({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} training pairs)")
     print(summary_line("SFT", sft_eval))
     for beta, evaluation in finals.items():
@@ -1187,13 +1194,13 @@ FLAG_RANGES = [
      lambda value: math.isfinite(value) and value >= 0, "finite and >= 0"),
     (("gamma", "lam"), lambda value: 0 <= value <= 1, "in [0, 1]"),
     (("seed",), lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
-    (("max_response_len",), lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens and more)"),
+    (("max_response_len",), lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens)"),
     (("num_pairs",), lambda value: value >= 2, ">= 2 (some pairs are held out)"),
     (("max_grad_norm",), lambda value: value > 0, "> 0 (inf: no clipping)"),
     (("missing_eos_penalty",), math.isfinite, "finite"),
     (("bon_pool",), lambda value: value >= 2, ">= 2"),
-    (("group_size",), lambda value: value >= 2, ">= 2 (k = 1 leaves a response no group to be compared with)"),
-    (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
+    (("group_size",), lambda value: value >= 2, ">= 2 (k = 1 leaves a response no group to compare with)"),
+    (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(b) and b >= 0 for b in betas),
      "one or more values, each finite and >= 0"),
 ]
 # The flags of PPO's critic and GAE: refused with --advantage grpo or rloo unless left at their defaults.
@@ -1209,18 +1216,20 @@ def validate_args(args):
                 raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be {what}")
     if args.rollout_batch_size % args.num_minibatches or args.rollout_batch_size // args.num_minibatches < 8:
         raise SystemExit(f"error: --num-minibatches {args.num_minibatches} must split --rollout-batch-size "
-                         f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening needs them)")
+                         f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening)")
     if args.rollout_batch_size % responses_per_prompt(args):
         raise SystemExit(f"error: --group-size {args.group_size} must divide --rollout-batch-size "
                          f"{args.rollout_batch_size} (whole groups of k responses per prompt)")
     for name in GAE_ONLY_FLAGS if args.advantage != "gae" else ("group_size",):
         if getattr(args, name) != getattr(Args, name):
-            uses = "--advantage gae (PPO's critic and GAE)" if name in GAE_ONLY_FLAGS else "--advantage grpo and rloo"
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} applies to {uses} only, "
-                             f"not to --advantage {args.advantage}")
+            uses = "--advantage grpo and rloo"
+            if name in GAE_ONLY_FLAGS:
+                uses = "--advantage gae (PPO's critic and GAE)"
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} applies to {uses} "
+                             f"only, not to --advantage {args.advantage}")
     if kl_in_loss(args) and args.kl_estimator != "k1":
-        raise SystemExit(f"error: --kl-estimator {args.kl_estimator} sets the KL penalty in the reward; with the KL "
-                         "in the loss (--kl-penalty loss, GRPO's default) the loss term is always k3 (GRPO eq. 4)")
+        raise SystemExit(f"error: --kl-estimator {args.kl_estimator} sets the KL penalty in the reward; with "
+                         "the KL in the loss (--kl-penalty loss, GRPO's default) it is k3 (GRPO eq. 4)")
     if args.d_model % args.n_heads:
         raise SystemExit(f"error: --n-heads {args.n_heads} must divide --d-model {args.d_model}")
     if args.load_rm is not None and args.load_sft is None:
@@ -1236,15 +1245,15 @@ def validate_args(args):
         checkpoint = load_checkpoint(path, flag, "cpu")[1]
         config = checkpoint["config"]
         if (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
-            raise SystemExit(f"error: {flag} {path} is not a {'policy' if out_dim > 1 else 'reward model'} over "
-                             f"the {len(VOCAB)} tokens of this language (vocabulary {config['vocab_size']}, "
-                             f"output size {config['out_dim']})")
+            kind = "policy" if out_dim > 1 else "reward model"
+            raise SystemExit(f"error: {flag} {path} is not a {kind} over the {len(VOCAB)} tokens of this "
+                             f"language (vocabulary {config['vocab_size']}, output size {config['out_dim']})")
         if config["max_len"] < PROMPT_LEN + args.max_response_len:
-            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} {path} "
-                             f"supports; use at most {config['max_len'] - PROMPT_LEN}")
+            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} "
+                             f"{path} supports; use at most {config['max_len'] - PROMPT_LEN}")
         if out_dim == 1 and not {"rm/bias", "rm/gain"} <= set(checkpoint.get("rm_info", {})):
-            raise SystemExit(f"error: {flag} {path} has no rm_info with rm/bias and rm/gain: not a reward model "
-                             "saved by this script's --save-model")
+            raise SystemExit(f"error: {flag} {path} has no rm_info with rm/bias and rm/gain: not a reward "
+                             "model saved by this script's --save-model")
 
 
 if __name__ == "__main__":
