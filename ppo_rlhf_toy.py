@@ -19,8 +19,8 @@ import re
 import signal
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Literal, Optional, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Literal, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,9 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-
-# Knobs that experiments here never needed to change: constants rather than flags, to keep --help
-# short.
+# Knobs that experiments here never needed to change: constants rather than flags, to keep --help short.
 SFT_BATCH_SIZE = 128  # SFT sentences per step
 RM_BATCH_SIZE = 64  # preference pairs per RM step
 HELDOUT_FRAC = 0.1  # fraction of the preference pairs held out to measure RM accuracy
@@ -44,11 +42,9 @@ class Args:
     corpus_size: int = 20000
     """sentences in the SFT corpus"""
     max_response_len: int = 12
-    """response tokens sampled after the prompt (<bos> DET NOUN); every corpus response fits"""
+    """response tokens sampled after the prompt (<bos> DET NOUN)"""
     num_pairs: int = 4000
-    """preference pairs sampled from the SFT policy; pairs without EOS are dropped, 10% are held
-    out, and training pairs that share a sentence with a held-out pair are dropped (17-19% of them
-    in 5 default runs)"""
+    """preference pairs sampled from the SFT policy (those without EOS dropped; 10% held out)"""
     label_noise: float = 0.5
     """tau of the labeller p(a preferred) = sigmoid((r*(a) - r*(b)) / tau); small = near-certain"""
     # models, SFT, reward model
@@ -68,18 +64,13 @@ class Args:
     """RM Adam learning rate, linearly decayed to 0 (as OAI)"""
     # the RL stage: PPO, or a critic-free group baseline in the same loop
     advantage: Literal["gae", "grpo", "rloo"] = "gae"
-    """the advantage estimator, all else of the loop the same. gae: PPO, a critic (from the RM) and GAE;
-    grpo: GRPO's group-normalised score (Shao et al. 2024), no critic; rloo: RLOO's leave-one-out
-    baseline (Ahmadian et al. 2024), no critic. So that only the advantage differs, both keep PPO's
-    clipped surrogate, epochs and minibatches (RLOO's paper takes one REINFORCE step per batch) and
-    its mean over all tokens of a minibatch (GRPO eq. 3 averages each response's tokens first)"""
+    """the advantage estimator, all else the same. gae: PPO's critic (from the RM) and GAE; grpo:
+    GRPO's group-normalised score; rloo: RLOO's leave-one-out baseline (docs/rlhf.md)"""
     group_size: int = 4
-    """k: responses sampled per prompt for grpo and rloo (their papers: G = 64, k = 2 or 4), the
-    batch still --rollout-batch-size responses; gae samples one per prompt draw"""
+    """k: responses sampled per prompt for grpo and rloo, the batch still --rollout-batch-size"""
     kl_penalty: Optional[Literal["reward", "loss"]] = None
-    """where the KL to pi_ref enters. reward: -beta * KL_t in each token's reward (InstructGPT Eq.
-    2, --kl-estimator); loss: + beta * k3 per token in the loss (GRPO eq. 3-4). Default: loss for
-    grpo, reward for gae and rloo, as their papers"""
+    """where the KL to pi_ref enters: reward: -beta * KL_t per token (InstructGPT Eq. 2); loss:
+    + beta * k3 per token (GRPO eq. 3-4). Default: loss for grpo, reward otherwise, as the papers"""
     ppo_iterations: int = 100
     """RL iterations (rollout + update)"""
     rollout_batch_size: int = 128
@@ -95,26 +86,19 @@ class Args:
     temperature: float = 0.7
     """sampling temperature (OAI/N+ value); rollout, reference and update all divide logits by it"""
     beta: float = 0.05
-    """KL coefficient of InstructGPT Eq. 2: per-token reward -beta*(log pi - log pi_ref), a leash to
-    pi_ref (the SFT model) over the whole run, unlike the clip (--clip-coef); the initial value with
-    --adaptive-kl"""
+    """KL coefficient of InstructGPT Eq. 2, a leash to pi_ref (the SFT model) for the whole run (the
+    initial value with --adaptive-kl)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL in the reward. k1 = log pi - log pi_ref: as a reward its policy gradient is that
-    of KL(pi || pi_ref). k3 = (r - 1) - log r with r = pi_ref / pi (offered by TRL) has the same
-    expectation, but as a reward its policy gradient is grad KL(pi || pi_ref) - grad KL(pi_ref ||
-    pi): it does not pull pi back towards pi_ref: on an enumerable task (tests/test_rlhf.py) PPO
-    with k3 ends on a single response, while with k1 it reaches the KL-regularised optimum, which
-    keeps its entropy. Offered to show that; use k1"""
+    """per-token KL in the reward: k1 = log pi - log pi_ref; k3 = (r - 1) - log r, r = pi_ref / pi,
+    whose gradient as a reward does not pull pi back to pi_ref (kl_estimate): offered to show that"""
     adaptive_kl: bool = False
     """adapt beta with Ziegler et al.'s proportional controller towards --kl-target"""
     kl_target: float = 6.0
     """adaptive controller: target KL in nats (Ziegler et al.)"""
     kl_horizon: int = 10000
-    """adaptive controller: horizon in episodes (Ziegler et al.); beta moves slowly at 128 a step"""
+    """adaptive controller: horizon in episodes (Ziegler et al.)"""
     clip_coef: float = 0.2
-    """PPO ratio clip epsilon: a trust region around pi_old, the policy that sampled this batch, so
-    it moves every iteration; it cannot keep pi near pi_ref over a run, which is the KL penalty's
-    job (--beta)"""
+    """PPO ratio clip epsilon: a trust region around pi_old, the policy that sampled this batch"""
     clip_coef_value: float = 0.2
     """clip range of the value prediction around its rollout value"""
     vf_coef: float = 0.1
@@ -128,38 +112,36 @@ class Args:
     missing_eos_penalty: float = -1.0
     """score given instead of the RM's to a response without EOS (the 'EOS trick' of OAI and N+)"""
     ptx_coef: float = 0.0
-    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus batches (8 sentences
-    per episode, as InstructGPT) added to every PPO minibatch loss. 0 = plain PPO, InstructGPT's
-    "PPO" models (its PPO-ptx: 27.8)"""
+    """gamma of PPO-ptx (InstructGPT Eq. 2): weight of the SFT loss on corpus sentences in every
+    minibatch loss; 0: plain PPO, InstructGPT's "PPO" models"""
     # ---- the run: seeding and device, evaluation, logging, checkpoints, speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (part of the run name)"""
+    """the name of this experiment (part of the run name)"""
     seed: int = 1
-    """seed of random, numpy and torch: same seed, same run on CPU"""
+    """seed of python, numpy and torch: the same seed gives the same run on CPU"""
     torch_deterministic: bool = True
-    """set torch.backends.cudnn.deterministic"""
+    """make cuDNN pick deterministic algorithms"""
     cuda: bool = True
-    """use CUDA when available"""
+    """use the GPU when one is available"""
     eval_samples: int = 512
     """samples for the final evaluation of the SFT and PPO policies"""
     bon_pool: int = 256
     """best-of-n baseline: SFT samples per prompt (32 prompts); n = 1, 2, 4, ... up to this"""
     sweep: bool = False
-    """run PPO once per --sweep-betas (same SFT and RM) and plot gold and proxy vs sqrt(KL)"""
+    """run PPO once per --sweep-betas from the same SFT policy and RM (plot: benchmarks/rlhf_seeds.py)"""
     sweep_betas: Tuple[float, ...] = (0.0, 0.01, 0.05, 0.2)
     """KL coefficients of the sweep"""
-    sweep_plot: Optional[str] = None
-    """where the sweep writes its plot (default runs/{run_name}/sweep.png)"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "rl-reference"
     """wandb project"""
     wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
+    """wandb entity (user or team)"""
     wandb_mode: Literal["online", "offline"] = "online"
-    """wandb mode; offline needs no account or network"""
+    """'offline' logs to ./wandb without an account; sync later with `wandb sync`"""
     save_model: bool = False
-    """write sft.pt and rm.pt when their stage ends, and the PPO policy (also if interrupted)"""
+    """write runs/<run_name>/sft.pt and rm.pt as their stages end, and the PPO policy (also when
+    interrupted)"""
     load_sft: Optional[str] = None
     """load the SFT policy from this checkpoint instead of training it"""
     load_rm: Optional[str] = None
@@ -185,7 +167,8 @@ PROMPT_LEN = 3
 CATEGORY = {word: category for words, category in [
     (DETS, "D"), (NOUNS, "N"), (VERBS, "V"), (["not"], "T"), (ADVS, "A"), (POSITIVE, "P"), (NEGATIVE, "M"),
     (CONJS, "C"), (["."], "E"), (["<pad>", "<bos>"], "_")] for word in words}
-GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")  # response: VERB [not] [ADV] ADJ (CONJ [not] [ADV] ADJ)* "."
+# a response: VERB [not] [ADV] ADJ (CONJ [not] [ADV] ADJ)* "."
+GRAMMAR = re.compile(r"V(T?A?[PM])(CT?A?[PM])*E")
 
 
 def make_sentence(rng, max_response_len):
@@ -202,8 +185,8 @@ def make_sentence(rng, max_response_len):
 
 
 def judge(response_words):
-    """Hidden gold judgement of one response -> (r*, has EOS, grammatical, repeated adjectives). r*
-    = negation- aware (#positive - #negative adjectives) clipped to [-2, 2], minus 0.5 per repeated
+    """Hidden gold judgement of one response -> (r*, has EOS, grammatical, repeated adjectives). r* =
+    negation-aware (#positive - #negative adjectives) clipped to [-2, 2], minus 0.5 per repeated
     adjective; r* = -1 when the response never ends (no EOS) and -2 when it is ungrammatical."""
     if "." not in response_words:
         return -1.0, False, False, 0
@@ -251,7 +234,8 @@ def random_rows(tokens, count):
 
 def encode_sentences(sentences, width, device):
     """<bos> + the sentence's tokens, right-padded with PAD to `width`."""
-    rows = [[BOS] + [TOKEN[word] for word in sentence] + [PAD] * (width - 1 - len(sentence)) for sentence in sentences]
+    rows = [[BOS] + [TOKEN[word] for word in sentence] + [PAD] * (width - 1 - len(sentence))
+            for sentence in sentences]
     return torch.tensor(rows, device=device)
 
 
@@ -275,34 +259,44 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+@dataclass
+class ModelConfig:
+    """A TinyTransformer's shape; a checkpoint stores it as a dict. out_dim = vocab size: a policy
+    (logits); out_dim = 1: a scalar per position (reward model, critic)."""
+    vocab_size: int
+    out_dim: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    max_len: int
+    banned_tokens: Tuple[int, ...] = ()  # logits never sampled (<pad>, <bos>)
+
+
 class TinyTransformer(nn.Module):
     """Pre-LN causal transformer with no dropout anywhere: dropout would make the first PPO ratio !=
-    1 (N+). out_dim = vocab size: a policy (logits); out_dim = 1: a scalar per position (reward
-    model, critic). PAD keys are masked and position ids skip PADs, so any padding gives the same
-    outputs."""
+    1 (N+). PAD keys are masked and position ids skip PADs, so any padding gives the same outputs."""
 
-    def __init__(self, vocab_size, out_dim, d_model, n_layers, n_heads, max_len, banned_tokens=()):
+    def __init__(self, config):
         super().__init__()
-        self.config = dict(vocab_size=vocab_size, out_dim=out_dim, d_model=d_model, n_layers=n_layers,
-                           n_heads=n_heads, max_len=max_len, banned_tokens=tuple(banned_tokens))
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.config = config
+        d_model = config.d_model
+        self.tok = nn.Embedding(config.vocab_size, d_model)
+        self.pos = nn.Embedding(config.max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, config.n_heads) for _ in range(config.n_layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, out_dim)
-        if out_dim == 1:  # OAI's reward head init: N(0, 1/sqrt(d_model + 1)), bias 0
+        self.head = nn.Linear(d_model, config.out_dim)
+        if config.out_dim == 1:  # OAI's reward head init: N(0, 1/sqrt(d_model + 1)), bias 0
             nn.init.normal_(self.head.weight, std=1 / math.sqrt(d_model + 1))
             nn.init.zeros_(self.head.bias)
-        banned = torch.isin(torch.arange(out_dim), torch.tensor(banned_tokens, dtype=torch.long))
-        self.register_buffer("banned", banned)
+        banned = torch.tensor(config.banned_tokens, dtype=torch.long)
+        self.register_buffer("banned", torch.isin(torch.arange(config.out_dim), banned))
 
     def forward(self, tokens):
         real = tokens != PAD
         length = tokens.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
         itself = torch.eye(length, dtype=torch.bool, device=tokens.device)
-        # a query attends to earlier real tokens; a PAD query sees itself only, so no row is all
-        # masked
+        # a query attends to earlier real tokens; a PAD query sees itself only, so no row is all masked
         mask = (causal & (real[:, None, :] | itself))[:, None]
         x = self.tok(tokens) + self.pos((real.cumsum(1) - 1).clamp(min=0))
         for block in self.blocks:
@@ -313,8 +307,9 @@ class TinyTransformer(nn.Module):
 
 
 def make_model(args, out_dim):
-    return TinyTransformer(len(VOCAB), out_dim, args.d_model, args.n_layers, args.n_heads,
-                           PROMPT_LEN + args.max_response_len, banned_tokens=(PAD, BOS) if out_dim > 1 else ())
+    banned_tokens = (PAD, BOS) if out_dim > 1 else ()
+    return TinyTransformer(ModelConfig(len(VOCAB), out_dim, args.d_model, args.n_layers, args.n_heads,
+                                       PROMPT_LEN + args.max_response_len, banned_tokens))
 
 
 @torch.no_grad()
@@ -360,9 +355,10 @@ def lm_loss(model, tokens):
     return F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:], ignore_index=PAD)
 
 
-def train_sft(args, corpus_tokens, device, log):
+def train_sft(run, corpus_tokens):
     """SFT on the corpus: the initial policy."""
-    model = make_model(args, len(VOCAB)).to(device)
+    args = run.args
+    model = make_model(args, len(VOCAB)).to(run.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr)
     for step in range(args.sft_steps):
         stop_if_signalled("SFT", step)  # a safe point: no step half done
@@ -372,8 +368,8 @@ def train_sft(args, corpus_tokens, device, log):
         loss.backward()
         optimizer.step()
         if (step + 1) % max(1, args.sft_steps // 5) == 0:
-            log({"stage": "sft", "step": step + 1, "sft/loss": loss.item()},
-                f"sft step {step + 1}/{args.sft_steps} | loss {loss.item():.3f}")
+            run.log({"stage": "sft", "step": step + 1, "sft/loss": loss.item()},
+                    f"sft step {step + 1}/{args.sft_steps} | loss {loss.item():.3f}")
     return model
 
 
@@ -394,15 +390,15 @@ def make_preference_pairs(args, sft, device):
     first_wins = torch.rand(len(gold)) < p_first
     chosen = torch.where(first_wins.to(device)[:, None], tokens[:, 0], tokens[:, 1])
     rejected = torch.where(first_wins.to(device)[:, None], tokens[:, 1], tokens[:, 0])
-    gold_margin = torch.where(first_wins, 1.0, -1.0) * (gold[:, 0] - gold[:, 1])  # > 0: gold agrees with the label
+    gold_margin = torch.where(first_wins, 1.0, -1.0) * (gold[:, 0] - gold[:, 1])  # > 0: gold agrees
     return chosen, rejected, gold_margin, torch.maximum(p_first, 1 - p_first)
 
 
 def split_by_sentence(chosen, rejected, heldout_frac):
-    """Held-out pairs: a random heldout_frac of all pairs, so they are a fair sample of the pair
-    distribution. Training pairs: the others, except those that share a sentence (prompt + response)
-    with a held-out pair, so held-out accuracy is measured on sentences the RM never saw. Returns
-    train, held-out and dropped indices."""
+    """Held-out pairs: a random heldout_frac of all pairs, a fair sample of the pair distribution.
+    Training pairs: the others, except those that share a sentence (prompt + response) with a
+    held-out pair, so held-out accuracy is measured on sentences the RM never saw. Returns train,
+    held-out and dropped indices."""
     order = torch.randperm(len(chosen), device=chosen.device)
     n_heldout = max(1, int(len(chosen) * heldout_frac))
     heldout = order[:n_heldout]
@@ -419,7 +415,8 @@ def score_at_eos(per_token_scores, tokens):
     """The RM score is the scalar at each row's first EOS token (as N+): not the last position (a
     PAD when right-padded), not one step after EOS. Rows without EOS read position 0; callers
     replace them (EOS trick)."""
-    return per_token_scores.gather(1, (tokens == EOS).int().argmax(1, keepdim=True)).squeeze(1)  # argmax: first max
+    first_eos = (tokens == EOS).int().argmax(1, keepdim=True)  # argmax: the first maximum
+    return per_token_scores.gather(1, first_eos).squeeze(1)
 
 
 def bradley_terry_loss(r_chosen, r_rejected):
@@ -428,16 +425,19 @@ def bradley_terry_loss(r_chosen, r_rejected):
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def train_reward_model(args, sft, pairs, device, log):
+def train_reward_model(run, sft, pairs):
     """Bradley-Terry RM: the SFT transformer with a fresh scalar head, read at EOS. Logs the
     held-out loss and accuracy after every epoch. Returns the RM and its numbers."""
+    args, device = run.args, run.device
     chosen, rejected, gold_margin, p_label = pairs
     train_idx, heldout_idx, dropped_idx = split_by_sentence(chosen, rejected, HELDOUT_FRAC)
     if len(train_idx) < 1:
-        raise SystemExit(f"error: --num-pairs {args.num_pairs} left no training pair for the reward model (pairs "
-                         f"with EOS: {len(chosen)}); use more pairs or more --sft-steps")
-    rm = TinyTransformer(**{**sft.config, "out_dim": 1, "banned_tokens": ()}).to(device)  # the SFT's architecture
-    body = {key: value for key, value in sft.state_dict().items() if not key.startswith("head") and key != "banned"}
+        raise SystemExit(f"error: --num-pairs {args.num_pairs} left no training pair for the reward model "
+                         f"(pairs with EOS: {len(chosen)}); use more pairs or more --sft-steps")
+    config = replace(sft.config, out_dim=1, banned_tokens=())  # the SFT's architecture
+    rm = TinyTransformer(config).to(device)
+    body = {key: value for key, value in sft.state_dict().items()
+            if not key.startswith("head") and key != "banned"}
     rm.load_state_dict(body, strict=False)
     optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
 
@@ -461,15 +461,15 @@ def train_reward_model(args, sft, pairs, device, log):
             r_chosen = reward(chosen[heldout_idx])
             r_rejected = reward(rejected[heldout_idx])
             right = (r_chosen > r_rejected).cpu()
-            informative = gold_margin[heldout_idx.cpu()] != 0  # a gold tie has no right order
+            margin = gold_margin[heldout_idx.cpu()]
+            informative = margin != 0  # a gold tie has no right order
             heldout = {"rm/loss": float(np.mean(losses)),
                        "rm/heldout_loss": bradley_terry_loss(r_chosen, r_rejected).item(),
                        "rm/heldout_acc": float(right.float().mean()),
-                       "rm/heldout_acc_gold": float((right == (gold_margin[heldout_idx.cpu()] > 0))[informative]
-                                                    .float().mean())}
-        log({"stage": "rm", "epoch": epoch, **heldout},
-            f"rm epoch {epoch}/{args.rm_epochs} | loss {heldout['rm/loss']:.3f} | held-out loss "
-            f"{heldout['rm/heldout_loss']:.3f} | held-out accuracy {heldout['rm/heldout_acc']:.3f}")
+                       "rm/heldout_acc_gold": float((right == (margin > 0))[informative].float().mean())}
+        run.log({"stage": "rm", "epoch": epoch, **heldout},
+                f"rm epoch {epoch}/{args.rm_epochs} | loss {heldout['rm/loss']:.3f} | held-out loss "
+                f"{heldout['rm/heldout_loss']:.3f} | held-out accuracy {heldout['rm/heldout_acc']:.3f}")
     with torch.no_grad():
         # Normalise to mean 0 / std 1 on 512 samples of the PPO initial policy (OAI's gain and bias;
         # N+ uses the bias only): beta then means the same whatever scale this RM happened to learn.
@@ -477,9 +477,9 @@ def train_reward_model(args, sft, pairs, device, log):
         responses = sample(sft, queries, args.max_response_len, args.temperature)[0]
         raw = reward(torch.cat([queries, responses], 1)[(responses == EOS).any(1)])
     info = {"rm/label_ceiling": float(p_label[heldout_idx.cpu()].mean()), "rm/train_pairs": len(train_idx),
-            "rm/heldout_pairs": len(heldout_idx), "rm/dropped_pairs": len(dropped_idx), "rm/bias": float(raw.mean()),
-            "rm/gain": float(raw.std()), "rm/epochs": args.rm_epochs}
-    log({"stage": "rm", "epoch": args.rm_epochs, **info})
+            "rm/heldout_pairs": len(heldout_idx), "rm/dropped_pairs": len(dropped_idx),
+            "rm/bias": float(raw.mean()), "rm/gain": float(raw.std()), "rm/epochs": args.rm_epochs}
+    run.log({"stage": "rm", "epoch": args.rm_epochs, **info})
     return rm, {**heldout, **info}
 
 
@@ -525,8 +525,7 @@ def masked_var(x, mask):
 
 def explained_variance(values, returns, mask):
     """1 - Var[returns - V] / Var[returns] over the unmasked tokens: 1 = the critic predicts the
-    returns, 0 = no better than their mean (legacy TRL's ppo/val/var_explained, CleanRL's
-    explained_variance)."""
+    returns, 0 = no better than their mean (TRL's val/var_explained, CleanRL's)."""
     returns_var = masked_var(returns, mask)
     return math.nan if returns_var == 0 else float(1 - masked_var(returns - values, mask) / returns_var)
 
@@ -543,8 +542,8 @@ def per_token_rewards(kl, scores, mask, beta):
     """InstructGPT Eq. 2 (without ptx) spread over tokens, as Ziegler et al.: r_t = -beta * KL_t on
     every response token, plus the score r_theta(x, y) on the last one (the EOS token, or the final
     token when there is none). Summed over tokens: r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x))
-    with k1. This penalty is the leash to pi_ref, the SFT model; PPO's clip (clipped_surrogate_loss) is a
-    different leash, to pi_old."""
+    with k1. This penalty is the leash to pi_ref, the SFT model; PPO's clip (clipped_surrogate_loss)
+    is a different leash, to pi_old."""
     rewards = -beta * kl * mask
     rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores
     return rewards
@@ -635,23 +634,36 @@ def adaptive_kl_beta(beta, kl, target, n_steps, horizon):
     return beta * (1 + float(np.clip(kl / target - 1, -0.2, 0.2)) * n_steps / horizon)
 
 
+@dataclass
+class RLSetup:
+    """What the RL stage trains, and against what. Generic over the models (token ids -> logits or
+    values) and the reward, so the tests run it on an enumerable task."""
+    policy: nn.Module
+    ref_policy: nn.Module  # pi_ref, frozen: the KL's other end
+    critic: Optional[nn.Module]  # PPO's value network; None with --advantage grpo or rloo
+    score_fn: Callable  # (queries, responses) -> r_theta(x, y)
+    sample_prompts: Callable  # count -> prompts
+    sample_corpus: Optional[Callable] = None  # count -> corpus rows, for PPO-ptx
+    rollout_metrics: Optional[Callable] = None  # (batch, iteration) -> the task's own numbers
+
+
 @torch.no_grad()
-def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args):
+def collect_rollout(rl, queries, beta, args):
     """Sample responses, score them, and turn the scores into per-token rewards and advantages: by
     GAE with the critic (PPO), or by comparing each response with its group (GRPO, RLOO)."""
-    responses = sample(policy, queries, args.max_response_len, args.temperature)[0]
+    responses = sample(rl.policy, queries, args.max_response_len, args.temperature)[0]
     mask = response_mask(responses)
     # log-probs recomputed by a plain forward (as OAI); a test checks they equal the sampling ones
-    logp = response_logprobs(policy, queries, responses, args.temperature)[0] * mask
-    ref_logp = response_logprobs(ref_policy, queries, responses, args.temperature)[0] * mask
-    scores = score_fn(queries, responses)
+    logp = response_logprobs(rl.policy, queries, responses, args.temperature)[0] * mask
+    ref_logp = response_logprobs(rl.ref_policy, queries, responses, args.temperature)[0] * mask
+    scores = rl.score_fn(queries, responses)
     kl = kl_estimate(logp, ref_logp, args.kl_estimator) * mask
     # With the KL in the loss (GRPO) the reward is the score alone
     rewards = per_token_rewards(kl, scores, mask, 0.0 if kl_in_loss(args) else beta)
-    batch = dict(queries=queries, responses=responses, mask=mask, logp=logp, ref_logp=ref_logp, scores=scores,
-                 kl=kl, rewards=rewards)
+    batch = dict(queries=queries, responses=responses, mask=mask, logp=logp, ref_logp=ref_logp,
+                 scores=scores, kl=kl, rewards=rewards)
     if args.advantage == "gae":  # PPO: the critic's V(x, y_<t) and GAE over the per-token rewards
-        values = critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] * mask
+        values = rl.critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1] * mask
         if args.whiten_rewards:
             rewards = whiten(rewards, mask, shift_mean=False) * mask
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
@@ -667,12 +679,12 @@ def collect_rollout(policy, ref_policy, critic, queries, score_fn, beta, args):
     return {**batch, "advantages": advantages}
 
 
-def ppo_update(policy, critic, optimizer, batch, args, beta, sample_corpus=None):
+def ppo_update(rl, optimizer, batch, args, beta):
     """args.ppo_epochs passes over the batch in args.num_minibatches minibatches; one diagnostics
     dict each. The loss: the clipped surrogate, plus vf_coef * the value loss when there is a critic
     (PPO), plus beta * k3 when the KL is in the loss (GRPO). With args.ptx_coef > 0 each minibatch
-    loss adds gamma * lm_loss on sample_corpus(count) corpus sentences: PPO-ptx, the last term of
-    InstructGPT Eq. 2 (gamma E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
+    loss adds gamma * lm_loss on rl.sample_corpus(count) corpus sentences: PPO-ptx, the last term
+    of InstructGPT Eq. 2 (gamma E_pretrain[log pi(x)], maximised, so minus it as a loss)."""
     n_sequences = len(batch["queries"])
     stats = []
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -680,17 +692,16 @@ def ppo_update(policy, critic, optimizer, batch, args, beta, sample_corpus=None)
         order = torch.randperm(n_sequences, device=batch["queries"].device)
         for idx in order.split(n_sequences // args.num_minibatches):
             minibatch = {key: value[idx] for key, value in batch.items()}
-            mask = minibatch["mask"]
-            logp, all_logp = response_logprobs(policy, minibatch["queries"], minibatch["responses"], args.temperature)
+            queries, responses, mask = minibatch["queries"], minibatch["responses"], minibatch["mask"]
+            logp, all_logp = response_logprobs(rl.policy, queries, responses, args.temperature)
             logp = logp * mask
-            pg_loss, minibatch_stats = clipped_surrogate_loss(logp, minibatch["logp"], minibatch["advantages"], mask,
-                                                              args.clip_coef)
+            pg_loss, minibatch_stats = clipped_surrogate_loss(
+                logp, minibatch["logp"], minibatch["advantages"], mask, args.clip_coef)
             loss = pg_loss
-            if critic is not None:  # PPO's second network; GRPO and RLOO have none
-                values = critic(torch.cat([minibatch["queries"], minibatch["responses"]], 1))
-                values = values[:, minibatch["queries"].shape[1] - 1: -1]
-                vf_loss, vf_clipfrac = clipped_value_loss(values, minibatch["values"], minibatch["returns"], mask,
-                                                          args.clip_coef_value)
+            if rl.critic is not None:  # PPO's second network; GRPO and RLOO have none
+                values = rl.critic(torch.cat([queries, responses], 1))[:, queries.shape[1] - 1: -1]
+                vf_loss, vf_clipfrac = clipped_value_loss(values, minibatch["values"], minibatch["returns"],
+                                                          mask, args.clip_coef_value)
                 loss = loss + args.vf_coef * vf_loss
                 minibatch_stats.update(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
             if kl_in_loss(args):  # GRPO eq. 3: - beta D_KL(pi || pi_ref), with eq. 4's k3 per token
@@ -698,7 +709,7 @@ def ppo_update(policy, critic, optimizer, batch, args, beta, sample_corpus=None)
                 loss = loss + beta * kl_loss
                 minibatch_stats["kl_loss"] = kl_loss
             if args.ptx_coef > 0:
-                ptx_loss = lm_loss(policy, sample_corpus(PTX_SENTENCES_PER_EPISODE * len(idx)))
+                ptx_loss = lm_loss(rl.policy, rl.sample_corpus(PTX_SENTENCES_PER_EPISODE * len(idx)))
                 loss = loss + args.ptx_coef * ptx_loss
                 minibatch_stats["ptx_loss"] = ptx_loss
             optimizer.zero_grad()
@@ -711,42 +722,38 @@ def ppo_update(policy, critic, optimizer, batch, args, beta, sample_corpus=None)
     return stats
 
 
-def run_ppo(args, *, beta, policy, ref_policy, critic, score_fn, sample_prompts, rollout_metrics=None,
-            log=None, sample_corpus=None):
-    """PPO against score_fn(queries, responses) with a KL leash to ref_policy, from the prompts of
-    sample_prompts(count); critic None with --advantage grpo or rloo. Generic over the models (token
-    ids -> logits or values) and the reward: the tests run it on an enumerable task. rollout_metrics(batch, iteration) adds a task's own
-    numbers to each record; sample_corpus(count) gives PPO-ptx's corpus rows. Returns one metrics
-    dict per iteration; after a first Ctrl-C / SIGTERM, stops after the iteration at hand."""
+def run_ppo(args, rl, beta, log=None):
+    """PPO (or GRPO / RLOO) against rl.score_fn with a KL leash to rl.ref_policy, from the prompts
+    of rl.sample_prompts, starting at this beta. Returns one metrics dict per iteration (log(record,
+    line) gets each); after a first Ctrl-C / SIGTERM, stops after the iteration at hand."""
     # Plain PyTorch Adam, eps 1e-5. TF's Adam (OAI) effectively uses eps / sqrt(1 - beta2^t), far
-    # larger in the first steps, so PyTorch's early updates are bigger (~6x approxkl in
-    # lm-human-preference-details).
-    networks = [policy] if critic is None else [policy, critic]  # GRPO and RLOO train no critic
-    optimizer = torch.optim.Adam([param for network in networks for param in network.parameters()], lr=args.ppo_lr,
-                                 eps=1e-5)
+    # larger in the first steps, so PyTorch's early updates are bigger (~6x approxkl in N+).
+    networks = [rl.policy] if rl.critic is None else [rl.policy, rl.critic]  # GRPO, RLOO: no critic
+    optimizer = torch.optim.Adam([param for network in networks for param in network.parameters()],
+                                 lr=args.ppo_lr, eps=1e-5)
     history = []
     start = time.time()
     kl_coef = beta  # the beta of this iteration: --adaptive-kl moves it
+    group_size = responses_per_prompt(args)
     for iteration in range(1, args.ppo_iterations + 1):
         lr = args.ppo_lr * (1 - (iteration - 1) / args.ppo_iterations)  # linear decay to 0 (as OAI)
         optimizer.param_groups[0]["lr"] = lr
         # k responses to each prompt (GRPO, RLOO; k = 1 for PPO): the same --rollout-batch-size responses
-        group_size = responses_per_prompt(args)
-        queries = sample_prompts(args.rollout_batch_size // group_size).repeat_interleave(group_size, 0)
-        batch = collect_rollout(policy, ref_policy, critic, queries, score_fn, kl_coef, args)
-        stats = ppo_update(policy, critic, optimizer, batch, args, kl_coef, sample_corpus)
+        queries = rl.sample_prompts(args.rollout_batch_size // group_size).repeat_interleave(group_size, 0)
+        batch = collect_rollout(rl, queries, kl_coef, args)
+        stats = ppo_update(rl, optimizer, batch, args, kl_coef)
         episodes = iteration * args.rollout_batch_size
-        record = ppo_record(batch, stats, beta=kl_coef, episodes=episodes, lr=lr,
-                            episodes_per_second=episodes / (time.time() - start))
-        if rollout_metrics is not None:
-            record.update(rollout_metrics(batch, iteration))
+        record = {"stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes / (time.time() - start),
+                  **ppo_record(batch, stats, kl_coef)}
+        if rl.rollout_metrics is not None:
+            record.update(rl.rollout_metrics(batch, iteration))
         if args.adaptive_kl:  # the next iteration's beta, from this one's KL
-            kl_coef = adaptive_kl_beta(kl_coef, record["objective/kl"], args.kl_target, args.rollout_batch_size,
-                                       args.kl_horizon)
+            kl_coef = adaptive_kl_beta(kl_coef, record["objective/kl"], args.kl_target,
+                                       args.rollout_batch_size, args.kl_horizon)
         history.append(record)
         if log is not None:
             log(record, ppo_log_line(record, iteration, args, start))
-        stop_if_signalled(f"PPO (beta {beta:g}, iteration {iteration})", iteration)  # every iterate is a usable policy
+        stop_if_signalled(f"PPO (beta {beta:g}, iteration {iteration})", iteration)  # every iterate is usable
     return history
 
 
@@ -791,21 +798,21 @@ def best_of_n(args, sft, score_fn, device):
     order = proxy.argsort(1)
     proxy = proxy.gather(1, order)
     gold = gold.view(-1, pool_size).gather(1, order)
-    weights = {2 ** k: best_of_n_weights(pool_size, 2 ** k) for k in range(int(math.log2(pool_size)) + 1)}
-    return [{"stage": "bon", "n": n, "kl_bound": best_of_n_kl_bound(n), "proxy/score": float((proxy @ weight).mean()),
-             "gold/score": float((gold @ weight).mean())} for n, weight in weights.items()]
+    rows = []
+    for n in (2 ** k for k in range(int(math.log2(pool_size)) + 1)):
+        weight = best_of_n_weights(pool_size, n)
+        rows.append({"stage": "bon", "n": n, "kl_bound": best_of_n_kl_bound(n),
+                     "proxy/score": float((proxy @ weight).mean()),
+                     "gold/score": float((gold @ weight).mean())})
+    return rows
 
 
 # ---------------------------------------------------------------- the story
 def train(args: Args):
     """All stages in order. Returns the summary record plus "histories": each beta's PPO records."""
-    validate_args(args)
-    run_name, run_dir = create_run_dir(args)
-    device = seed_and_choose_device(args)
-    log = Logger(args, run_dir, run_name)
-    start = time.time()
-    print(f"run {run_name} on {device}")
-    with StopOnSignal(args, run_dir, log) as run:  # Ctrl-C / SIGTERM: stop at the next safe point
+    run = start_run(args)  # flags checked, runs/{run_name} created, seeded, the log opened
+    device = run.device
+    with StopOnSignal(args, run.dir, run.log) as stop:  # Ctrl-C / SIGTERM: stop at the next safe point
         # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
         # samples it too. `random` is seeded.
         corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]
@@ -816,19 +823,19 @@ def train(args: Args):
             sft = load_checkpoint(args.load_sft, "--load-sft", device)[0]
         else:
             print("corpus:", *[" ".join(sentence) for sentence in corpus[:3]], sep="\n    ")
-            sft = train_sft(args, corpus_tokens, device, log)
-        run.save("sft.pt", sft)
+            sft = train_sft(run, corpus_tokens)
+        stop.save("sft.pt", sft)
         ref_policy = copy.deepcopy(sft).requires_grad_(False)
 
         # 3. Preference pairs labelled through the hidden gold reward, and 4. the reward model.
         if args.load_rm:
             rm, checkpoint = load_checkpoint(args.load_rm, "--load-rm", device)
             rm_info = checkpoint["rm_info"]
-            log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
+            run.log({"stage": "rm", "epoch": rm_info.get("rm/epochs", 0), **rm_info})
         else:
             pairs = make_preference_pairs(args, sft, device)
-            rm, rm_info = train_reward_model(args, sft, pairs, device, log)
-        run.save("rm.pt", rm, rm_info=rm_info)
+            rm, rm_info = train_reward_model(run, sft, pairs)
+        stop.save("rm.pt", rm, rm_info=rm_info)
         rm.requires_grad_(False)
         score_fn = functools.partial(proxy_score, rm, rm_info, args.missing_eos_penalty)
 
@@ -839,37 +846,59 @@ def train(args: Args):
         histories = {}
         finals = {}
         for beta in args.sweep_betas if args.sweep else (args.beta,):
-            torch.manual_seed(args.seed)  # every run of a sweep sees the same random stream: only beta differs
-            policy = copy.deepcopy(sft).requires_grad_(True)
+            torch.manual_seed(args.seed)  # each run of a sweep sees the same random stream: only beta differs
             critic = critic_from_reward_model(rm, rm_info) if args.advantage == "gae" else None
-            critic_state = None if critic is None else critic.state_dict()
-            beta_log = functools.partial(log, tensorboard_run=f"beta_{beta:g}" if args.sweep else "")
+            rl = RLSetup(policy=copy.deepcopy(sft).requires_grad_(True), ref_policy=ref_policy, critic=critic,
+                         score_fn=score_fn, sample_prompts=functools.partial(random_prompts, device=device),
+                         sample_corpus=functools.partial(random_rows, corpus_tokens),
+                         rollout_metrics=rollout_stats)
+            beta_log = functools.partial(run.log, tensorboard_run=f"beta_{beta:g}" if args.sweep else "")
             name = f"ppo_policy_beta{beta:g}.pt" if args.sweep else "ppo_policy.pt"
+            critic_state = None if critic is None else critic.state_dict()
             try:
-                histories[beta] = run_ppo(
-                    args, beta=beta, policy=policy, ref_policy=ref_policy, critic=critic, score_fn=score_fn,
-                    sample_prompts=functools.partial(random_prompts, device=device), rollout_metrics=rollout_stats,
-                    log=beta_log, sample_corpus=functools.partial(random_rows, corpus_tokens))
+                histories[beta] = run_ppo(args, rl, beta, beta_log)
             except Stopped as stopped:  # every PPO iterate is a usable policy: keep this one too
-                run.save(name, policy, critic=critic_state, ppo_iterations_done=stopped.done)
+                stop.save(name, rl.policy, critic=critic_state, ppo_iterations_done=stopped.done)
                 raise
-            run.save(name, policy, critic=critic_state, ppo_iterations_done=len(histories[beta]))
-            finals[beta] = evaluate(args, policy, ref_policy, score_fn, device)
+            stop.save(name, rl.policy, critic=critic_state, ppo_iterations_done=len(histories[beta]))
+            finals[beta] = evaluate(args, rl.policy, ref_policy, score_fn, device)
             episodes = len(histories[beta]) * args.rollout_batch_size
             beta_log({"stage": "eval", "beta": beta, "episode": episodes, **finals[beta]})
         # Best-of-n from the SFT policy: the baseline to compare PPO with at the same KL.
         bon = best_of_n(args, sft, score_fn, device)
         for row in bon:
-            log(row)
-
-        summary = log_summary(args, log, start, rm_info, sft_eval, finals, bon)
-        if args.sweep:
-            report_sweep(args, run_dir, histories, finals, bon)
+            run.log(row)
+        summary = log_summary(run, rm_info, sft_eval, finals, bon)
     return {**summary, "histories": histories}
 
 
 # ---- Appendix: plumbing ----
-# ---------------------------------------------------------------- set-up: run directory, seeds, device
+# ---------------------------------------------------------------- set-up: one record of the run
+@dataclass
+class Run:
+    """What the stages share of the run: its flags, device, directory, log and start time."""
+    args: Args
+    device: torch.device
+    dir: str
+    log: "Logger"
+    start: float
+
+
+def start_run(args):
+    """Flags checked (before anything is allocated), runs/{run_name} created, random, numpy and
+    torch seeded, the device chosen, the log opened."""
+    validate_args(args)
+    name, run_dir = create_run_dir(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    print(f"run {name} on {device}")
+    return Run(args, device, run_dir, Logger(args, run_dir, name), time.time())
+
+
 def create_run_dir(args):
     """runs/{run_name}, created exclusively: two runs started in the same second with the same name
     (a sweep) never share a directory; the later one takes the next free name, suffixed -2, -3, ...
@@ -877,22 +906,12 @@ def create_run_dir(args):
     base_name = f"rlhf_sentiment__{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs("runs", exist_ok=True)
     for suffix in itertools.count(1):
-        run_name = f"{base_name}-{suffix}" if suffix > 1 else base_name
+        name = f"{base_name}-{suffix}" if suffix > 1 else base_name
         try:
-            os.mkdir(os.path.join("runs", run_name))  # atomic: of two racing runs exactly one succeeds
-            return run_name, os.path.join("runs", run_name)
+            os.mkdir(os.path.join("runs", name))  # atomic: of two racing runs exactly one succeeds
+            return name, os.path.join("runs", name)
         except FileExistsError:
             pass
-
-
-def seed_and_choose_device(args):
-    """Seeds random, numpy and torch; the same seed gives the same run on CPU."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.threads)
-    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
 # ---------------------------------------------------------------- signals and checkpoints of a run
@@ -933,7 +952,8 @@ class StopOnSignal:
         print(f"\n{name}: stopping after the current step (again: stop now)", flush=True)
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        self.previous = {signum: signal.signal(signum, self.handler) for signum in signals}
         return self
 
     def __exit__(self, exception_type, exception, traceback):
@@ -958,141 +978,70 @@ class StopOnSignal:
             self.saved.append(name)
 
 
-# ---------------------------------------------------------------- console lines and summaries
-RL_NAME = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO"}  # the RL stage's name in lines, by --advantage
+def save_checkpoint(path, model, **extra):
+    """The model's config and weights, plus `extra` (tensors, numbers, strings, lists, dicts only),
+    so that load_checkpoint can read it with weights_only=True."""
+    data = io.BytesIO()
+    torch.save({"config": asdict(model.config), "state_dict": model.state_dict(), **extra}, data)
+    write_atomically(path, data.getbuffer())
 
 
-def ppo_log_line(record, iteration, args, start):
-    """The console line of an RL iteration, with the time left at this iteration's pace."""
-    eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
-    return (f"{RL_NAME[args.advantage].lower()} beta={record['objective/kl_coef']:.3g} it {iteration}/{args.ppo_iterations} | "
-            f"{record['eps']:.0f} eps | ETA {eta:.0f}s | kl {record['objective/kl']:.2f} | proxy "
-            f"{record['objective/scores']:+.2f} | gold {record.get('gold/score', math.nan):+.2f} | ent "
-            f"{record['objective/entropy']:.2f} | clipfrac {record['policy/clipfrac_avg']:.3f} | "
-            f"ratio {record['val/ratio']:.3f}")
+def write_atomically(path, data):
+    """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
+    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`."""
+    temporary = path + ".tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a power cut leaves no empty file
+        os.replace(temporary, path)
+    finally:  # also when a second signal interrupts the write
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
-def log_summary(args, log, start, rm_info, sft_eval, finals, bon):
-    """Prints the final summary (the RM, SFT, each PPO run beside the best-of-n of the closest KL
-    bound) and logs it as the "summary" record, which it returns."""
-    print(f"\n=== summary ({time.time() - start:.0f}s) ===\nreward model: held-out accuracy "
-          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
-          f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
-          f"order\n              ({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} "
-          "training pairs)")
-    print(summary_line("SFT", sft_eval))
-    for beta, evaluation in finals.items():
-        match = min(bon, key=lambda row: abs(row["kl_bound"] - evaluation["objective/kl"]))  # closest KL bound
-        adaptive = " (adaptive)" if args.adaptive_kl else ""
-        largest = ", the largest n" if match is bon[-1] else ""
-        print(summary_line(f"{RL_NAME[args.advantage]} beta={beta:g}{adaptive}", evaluation))
-        print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}{largest}): "
-              f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
-    summary = {"stage": "summary", "advantage": args.advantage, "rm": rm_info, "sft": sft_eval,
-               "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
-               "wall_s": time.time() - start}
-    log(summary)
-    return summary
+def load_checkpoint(path, flag, device):
+    """A checkpoint written by save_checkpoint -> (model, checkpoint dict). weights_only=True refuses
+    any pickled Python object other than tensors and plain values, without running it. A refused,
+    damaged or foreign file stops the run with one line naming the flag, the file and the fault."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines()
+                 if "GLOBAL" in line or "Unsupported" in line]
+        what = lines[0] if lines else "a Python object"
+        raise SystemExit(f"error: {flag} {path}: refused, it holds more than tensors and plain values "
+                         f"({what}); nothing in it was run")
+    except Exception as error:  # torch raises RuntimeError, EOFError, KeyError... on damaged files
+        raise SystemExit(f"error: {flag} {path}: cannot be read, damaged or not a torch checkpoint "
+                         f"({first_line(error)})")
+    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get("config"), dict)
+            and isinstance(checkpoint.get("state_dict"), dict)):
+        found = list(checkpoint)[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise SystemExit(f"error: {flag} {path}: not a checkpoint of ppo_rlhf_toy.py (expected a dict with "
+                         f"'config' and 'state_dict'; found {found})")
+    try:
+        model = TinyTransformer(ModelConfig(**checkpoint["config"])).to(device)
+        model.load_state_dict(checkpoint["state_dict"])
+    except (TypeError, RuntimeError, KeyError, ValueError) as error:
+        raise SystemExit(f"error: {flag} {path}: its weights do not fit its config ({first_line(error)})")
+    return model, checkpoint
 
 
-def report_sweep(args, run_dir, histories, finals, bon):
-    """The sweep's plot, and one line per beta: the peak of its smoothed gold curve, and its end."""
-    plot_path = args.sweep_plot or os.path.join(run_dir, "sweep.png")
-    os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-    plot_sweep(histories, bon, plot_path)
-    for beta, history in histories.items():
-        peak = smoothed_peak(history)
-        final = finals[beta]
-        print(f"sweep beta={beta:g}: peak of the smoothed gold {peak['gold/score']:+.3f} at KL "
-              f"{peak['objective/kl']:.2f} (iteration {peak['iteration']}; {SMOOTHING_WINDOW}-iteration "
-              f"centred moving average of rollout-batch means); final gold {final['gold/score']:+.3f}, "
-              f"proxy {final['proxy/score']:+.3f}, KL {final['objective/kl']:.2f}")
-    print(f"plot: {plot_path}")
+def first_line(error):
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
 
 
-# ---------------------------------------------------------------- flag checks, logging, checkpoints
-# Each numeric flag's allowed values as (flags, test, what the error says is allowed); a test tries a bad value of each.
-FLAG_RANGES = [
-    (("corpus_size", "d_model", "n_layers", "n_heads", "sft_steps", "rm_epochs", "ppo_iterations",
-      "rollout_batch_size", "num_minibatches", "ppo_epochs", "kl_horizon", "eval_samples", "threads"),
-     lambda value: value > 0, "> 0"),
-    (("label_noise", "temperature", "kl_target", "clip_coef", "clip_coef_value"),
-     lambda value: math.isfinite(value) and value > 0, "finite and > 0"),
-    (("sft_lr", "rm_lr", "ppo_lr", "beta", "vf_coef", "ptx_coef"),
-     lambda value: math.isfinite(value) and value >= 0, "finite and >= 0"),
-    (("gamma", "lam"), lambda value: 0 <= value <= 1, "in [0, 1]"),
-    (("seed",), lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
-    (("max_response_len",), lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens and more)"),
-    (("num_pairs",), lambda value: value >= 2, ">= 2 (some pairs are held out)"),
-    (("max_grad_norm",), lambda value: value > 0, "> 0 (inf: no clipping)"),
-    (("missing_eos_penalty",), math.isfinite, "finite"),
-    (("bon_pool",), lambda value: value >= 2, ">= 2"),
-    (("group_size",), lambda value: value >= 2, ">= 2 (k = 1 leaves a response no group to be compared with)"),
-    (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(beta) and beta >= 0 for beta in betas),
-     "one or more values, each finite and >= 0"),
-]
-
-
-# The flags of PPO's critic and GAE: refused with --advantage grpo or rloo unless left at their defaults.
-GAE_ONLY_FLAGS = ("vf_coef", "clip_coef_value", "gamma", "lam", "whiten_rewards")
-
-
-def validate_args(args):
-    """One-line errors naming the flag, before anything is allocated: every numeric flag's range,
-    the flags that constrain each other, and the checkpoints given to --load-sft / --load-rm."""
-    for names, allowed, what in FLAG_RANGES:
-        for name in names:
-            if not allowed(getattr(args, name)):
-                raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be {what}")
-    if args.rollout_batch_size % args.num_minibatches or args.rollout_batch_size // args.num_minibatches < 8:
-        raise SystemExit(f"error: --num-minibatches {args.num_minibatches} must split --rollout-batch-size "
-                         f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening needs them)")
-    if args.rollout_batch_size % responses_per_prompt(args):
-        raise SystemExit(f"error: --group-size {args.group_size} must divide --rollout-batch-size "
-                         f"{args.rollout_batch_size} (whole groups of k responses per prompt)")
-    for name in GAE_ONLY_FLAGS if args.advantage != "gae" else ("group_size",):
-        if getattr(args, name) != getattr(Args, name):
-            uses = "--advantage gae (PPO's critic and GAE)" if name in GAE_ONLY_FLAGS else "--advantage grpo and rloo"
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} applies to {uses} only, not to "
-                             f"--advantage {args.advantage}")
-    if kl_in_loss(args) and args.kl_estimator != "k1":
-        raise SystemExit(f"error: --kl-estimator {args.kl_estimator} sets the KL penalty in the reward; with the KL in "
-                         "the loss (--kl-penalty loss, GRPO's default) the loss term is always k3 (GRPO eq. 4)")
-    if args.d_model % args.n_heads:
-        raise SystemExit(f"error: --n-heads {args.n_heads} must divide --d-model {args.d_model}")
-    if args.load_rm is not None and args.load_sft is None:
-        raise SystemExit(f"error: --load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the critic "
-                         "refer to that SFT policy")
-    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know
-    # every token and have a position embedding for every position the other flags will feed it.
-    for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
-        if path is None:
-            continue
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: {flag} {path}: no such file")
-        checkpoint = load_checkpoint(path, flag, "cpu")[1]
-        config = checkpoint["config"]
-        if (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
-            raise SystemExit(f"error: {flag} {path} is not a {'policy' if out_dim > 1 else 'reward model'} over the "
-                             f"{len(VOCAB)} tokens of this language (vocabulary {config['vocab_size']}, "
-                             f"output size {config['out_dim']})")
-        if config["max_len"] < PROMPT_LEN + args.max_response_len:
-            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} {path} "
-                             f"supports; use at most {config['max_len'] - PROMPT_LEN}")
-        if out_dim == 1 and not {"rm/bias", "rm/gain"} <= set(checkpoint.get("rm_info", {})):
-            raise SystemExit(f"error: {flag} {path} has no rm_info with rm/bias and rm/gain: not a reward model "
-                             "saved by this script's --save-model")
-
-
+# ---------------------------------------------------------------- logging: the records and lines of a run
 class Logger:
-    """One record (a dict with a "stage") per call: a line of runs/{run_name}/metrics.jsonl, the
-    machine-readable record; its numbers as TensorBoard scalars in the same directory (`tensorboard
-    --logdir runs`); an optional console line; and wandb with --track. TensorBoard tags are the
-    metrics.jsonl keys, except that eval, bon and summary records prefix theirs with the stage
-    (eval/gold/score), since those keys repeat PPO's; "samples" become text. Steps: sft = optimizer
-    step, rm = epoch, ppo and eval = episode, bon = n, summary = 0. A sweep writes each beta's ppo
-    and eval records under the subdirectory beta_{beta}, which TensorBoard shows as a run of its
-    own."""
+    """One record (a dict with a "stage") per call: a line of runs/{run_name}/metrics.jsonl; its
+    numbers as TensorBoard scalars in the same directory, under the same keys except that eval, bon
+    and summary records prefix theirs with the stage (eval/gold/score); an optional console line;
+    wandb with --track. Steps: sft = step, rm = epoch, ppo and eval = episode, bon = n, else 0. A
+    sweep's ppo and eval records go to the subdirectory beta_{beta}, a TensorBoard run of its own."""
 
     STEP_KEY = {"sft": "step", "rm": "epoch", "ppo": "episode", "eval": "episode", "bon": "n"}
 
@@ -1105,8 +1054,8 @@ class Logger:
             f"|{key}|{value}|" for key, value in asdict(args).items()))  # as CleanRL
         if args.track:
             import wandb  # slow to import: only when asked
-            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
-                                    name=run_name, config=asdict(args), dir=run_dir)
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                                    mode=args.wandb_mode, name=run_name, config=asdict(args), dir=run_dir)
 
     def writer(self, subdirectory):
         if subdirectory not in self.writers:
@@ -1127,7 +1076,7 @@ class Logger:
             writer.add_scalar(tag, value, step)
         if "samples" in record:
             writer.add_text(prefix + "samples", "\n\n".join(record["samples"]), step)
-        if self.wandb is not None:  # wandb's step counts these calls: monotonic across stages and a sweep's runs
+        if self.wandb is not None:  # wandb's step counts these calls: monotonic across stages and a sweep
             self.wandb.log(numbers)
         if line is not None:
             print(line, flush=True)
@@ -1140,78 +1089,20 @@ class Logger:
             self.wandb.finish()
 
 
-def save_checkpoint(path, model, **extra):
-    """The model's config (plain Python values) and weights, plus `extra` (tensors, numbers,
-    strings, lists, dicts only), so that load_checkpoint can read it with weights_only=True."""
-    data = io.BytesIO()
-    torch.save({"config": model.config, "state_dict": model.state_dict(), **extra}, data)
-    write_atomically(path, data.getbuffer())
-
-
-def write_atomically(path, data):
-    """`path` holds all of `data` (bytes) or what it held before, whatever happens: the bytes go to
-    `path`.tmp in the same folder, reach the disk (fsync) and are renamed over `path`; a failed write
-    leaves no temporary file (a kill -9 may leave one; the finished files are whole)."""
-    temporary = path + ".tmp"
-    try:
-        with open(temporary, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before the rename: a power cut leaves no empty file
-        os.replace(temporary, path)
-    finally:  # also when a second signal interrupts the write
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
-def load_checkpoint(path, flag, device):
-    """A checkpoint written by save_checkpoint -> (model, checkpoint dict).
-    torch.load(weights_only=True) refuses any pickled Python object other than tensors and plain
-    values, without running it. A refused, damaged or foreign file stops the run with one line
-    naming the flag, the file and what is wrong."""
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one-line error below says it all
-            warnings.simplefilter("ignore")
-            checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as error:
-        what = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                    "a Python object")
-        raise SystemExit(f"error: {flag} {path}: refused, it holds more than tensors and plain values ({what}); "
-                         "nothing in it was run")
-    except Exception as error:  # torch raises RuntimeError, EOFError, KeyError... on damaged or non-torch files
-        reason = (str(error).splitlines() or [""])[0][:160]
-        raise SystemExit(f"error: {flag} {path}: cannot be read, damaged or not a torch checkpoint "
-                         f"({type(error).__name__}: {reason})")
-    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get("config"), dict)
-            and isinstance(checkpoint.get("state_dict"), dict)):
-        found = list(checkpoint)[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise SystemExit(f"error: {flag} {path}: not a checkpoint of ppo_rlhf_toy.py (expected a dict with 'config' "
-                         f"and 'state_dict'; found {found})")
-    try:
-        model = TinyTransformer(**checkpoint["config"]).to(device)
-        model.load_state_dict(checkpoint["state_dict"])
-    except (TypeError, RuntimeError, KeyError, ValueError) as error:
-        reason = (str(error).splitlines() or [""])[0][:160]
-        raise SystemExit(f"error: {flag} {path}: its weights do not fit its config ({type(error).__name__}: {reason})")
-    return model, checkpoint
-
-
-# ---------------------------------------------------------------- the PPO iteration's record
 def per_sequence(per_token, mask):
     """Summed over each sequence's response tokens, then averaged over the sequences (as TRL)."""
     return float((per_token * mask).sum(1).mean())
 
 
-def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
-    """One RL iteration's metrics.jsonl record, under TRL's names (docs/rlhf.md says what each
-    means): the rollout's objective (KL, entropy, score, Eq. 2's reward), the update's means over
-    minibatches, and the critic's fit (PPO only)."""
+def ppo_record(batch, stats, beta):
+    """An RL iteration's metrics under TRL's names (docs/rlhf.md says what each means): the rollout's
+    objective (KL, entropy, score, Eq. 2's reward), the update's means over minibatches, and the
+    critic's fit (PPO only)."""
     mask = batch["mask"]
     mean = {key: float(np.mean([minibatch[key] for minibatch in stats])) for key in stats[0]}
     score = float(batch["scores"].mean())
     penalty_kl = per_sequence(batch["kl"], mask)  # the estimator of --kl-estimator, as in the rewards
     record = {
-        "stage": "ppo", "episode": episodes, "lr": lr, "eps": episodes_per_second,
         "objective/kl": per_sequence(batch["logp"] - batch["ref_logp"], mask),
         "objective/kl_k3": per_sequence(kl_estimate(batch["logp"], batch["ref_logp"], "k3"), mask),
         "objective/entropy": per_sequence(-batch["logp"], mask), "objective/kl_coef": beta,
@@ -1219,12 +1110,12 @@ def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
         "objective/rlhf_reward": score - beta * penalty_kl, "policy/approxkl_avg": mean["approxkl"],
         "policy/clipfrac_avg": mean["clipfrac"], "policy/entropy_avg": mean["entropy"],
         "loss/policy_avg": mean["pg_loss"]}
-    for key, name in (("vf_loss", "loss/value_avg"), ("kl_loss", "loss/kl_avg"), ("ptx_loss", "loss/ptx_avg")):
-        if key in mean:  # the value loss: PPO only; the KL loss: with --kl-penalty loss; ptx: with --ptx-coef
+    optional = (("vf_loss", "loss/value_avg"), ("kl_loss", "loss/kl_avg"), ("ptx_loss", "loss/ptx_avg"))
+    for key, name in optional:
+        if key in mean:  # the value loss: PPO only; the KL loss: with --kl-penalty loss; ptx: --ptx-coef
             record[name] = mean[key]
-    record.update({
-        "val/ratio": mean["ratio"], "val/ratio_var": float(np.var([minibatch["ratio"] for minibatch in stats])),
-        "val/num_eos_tokens": int((batch["responses"] == EOS).sum())})
+    record.update({"val/ratio": mean["ratio"], "val/ratio_var": float(np.var([m["ratio"] for m in stats])),
+                   "val/num_eos_tokens": int((batch["responses"] == EOS).sum())})
     if "values" in batch:  # the critic's fit (PPO)
         record.update({
             "val/clipfrac_avg": mean["vf_clipfrac"],
@@ -1235,8 +1126,8 @@ def ppo_record(batch, stats, *, beta, episodes, lr, episodes_per_second):
 
 
 def rollout_stats(batch, iteration):
-    """The toy's own metrics of a PPO iteration, on the rollout batch itself: proxy and gold scores,
-    the gates, and every SAMPLE_EVERY iterations a few sample texts (printed too)."""
+    """The toy's own metrics of an RL iteration, on its rollout batch: proxy and gold scores, the
+    gates, and every SAMPLE_EVERY iterations a few sample texts (printed too)."""
     stats = {"proxy/score": float(batch["scores"].mean()), **language_stats(batch["responses"])}
     if iteration % SAMPLE_EVERY == 0:
         texts = torch.cat([batch["queries"], batch["responses"]], 1)[:3].tolist()
@@ -1245,60 +1136,42 @@ def rollout_stats(batch, iteration):
     return stats
 
 
-# ---------------------------------------------------------------- the sweep's curves and plot
-# PPO iterations in the centred moving average of the sweep's curves and peaks: enough to average
-# out the noise of rollout-batch means, short enough to keep beta = 0's gold peak, which lasts a few
-# iterations (a 9-iteration window lowered it by another 0.19, mean of 3 seeds)
-SMOOTHING_WINDOW = 5
+RL_NAME = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO"}  # the RL stage's name in lines, by --advantage
 
 
-def moving_average(values):
-    """Centred moving average over SMOOTHING_WINDOW iterations (all of them if fewer): output j is
-    centred on input j + (window - 1) // 2. Rollout-batch means are noisy; the sweep's curves and
-    peaks use this."""
-    window = min(SMOOTHING_WINDOW, len(values))
-    return np.convolve(values, np.ones(window) / window, mode="valid")
+def ppo_log_line(record, iteration, args, start):
+    """The console line of an RL iteration, with the time left at this iteration's pace."""
+    eta = (time.time() - start) / iteration * (args.ppo_iterations - iteration)
+    return (f"{RL_NAME[args.advantage].lower()} beta={record['objective/kl_coef']:.3g} it {iteration}/"
+            f"{args.ppo_iterations} | {record['eps']:.0f} eps | ETA {eta:.0f}s | kl "
+            f"{record['objective/kl']:.2f} | proxy {record['objective/scores']:+.2f} | gold "
+            f"{record.get('gold/score', math.nan):+.2f} | ent {record['objective/entropy']:.2f} | clipfrac "
+            f"{record['policy/clipfrac_avg']:.3f} | ratio {record['val/ratio']:.3f}")
 
 
-def smoothed_peak(history):
-    """Where one PPO history's smoothed gold curve peaks: the iteration (1-based, the window's
-    centre), and the smoothed gold and KL there."""
-    gold, kl = (moving_average([record[key] for record in history]) for key in ("gold/score", "objective/kl"))
-    peak = int(gold.argmax())
-    window = min(SMOOTHING_WINDOW, len(history))
-    return {"iteration": peak + (window - 1) // 2 + 1, "gold/score": float(gold[peak]), "objective/kl": float(kl[peak])}
-
-
-def plot_sweep(histories, bon, path):
-    """Gold and proxy vs sqrt(KL) and vs episodes, and KL vs episodes, for each beta of a sweep: the
-    centred moving averages of its PPO history; best-of-n at its KL upper bound."""
-    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state
-
-    fig = Figure(figsize=(17, 4.8))
-    axes = fig.subplots(1, 3)
-    colors = ["tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown"] * 9
-    for (beta, history), color in zip(histories.items(), colors):
-        curve = {key: moving_average([record[key] for record in history])
-                 for key in ("gold/score", "proxy/score", "objective/kl", "episode")}
-        sqrt_kl = moving_average(np.sqrt(np.maximum([record["objective/kl"] for record in history], 0)))
-        for key, style, what in (("gold/score", "-", "gold"), ("proxy/score", "--", "proxy (RM)")):
-            axes[0].plot(sqrt_kl, curve[key], style, color=color, label=f"PPO beta={beta:g}: {what}")
-            axes[1].plot(curve["episode"], curve[key], style, color=color)
-        axes[2].plot(curve["episode"], curve["objective/kl"], color=color, label=f"beta={beta:g}")
-    for key, style in (("gold/score", "o-"), ("proxy/score", "o--")):
-        axes[0].plot([math.sqrt(row["kl_bound"]) for row in bon], [row[key] for row in bon], style, ms=4,
-                     color="tab:red", label=f"best-of-n (n <= {bon[-1]['n']}): {key.split('/')[0]}, KL upper bound")
-    ylabel = "score (solid: hidden gold, dashed: proxy RM)"
-    axes[0].set(xlabel="sqrt(KL(pi || pi_ref))  [sqrt nats]", ylabel=ylabel, title="gold and proxy vs sqrt(KL)")
-    axes[1].set(xlabel="episodes", ylabel=ylabel,
-                title=f"gold and proxy during PPO\n({SMOOTHING_WINDOW}-iteration centred moving average)")
-    axes[2].set(xlabel="episodes", ylabel="KL(pi || pi_ref)  [nats]", title="KL to the SFT reference during PPO")
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=110)
-    write_atomically(path, image.getbuffer())
+def log_summary(run, rm_info, sft_eval, finals, bon):
+    """Prints the final summary (the RM, SFT, each RL run beside the best-of-n of the closest KL
+    bound) and logs it as the "summary" record, which it returns."""
+    args = run.args
+    print(f"\n=== summary ({time.time() - run.start:.0f}s) ===\nreward model: held-out accuracy "
+          f"{rm_info['rm/heldout_acc']:.3f} vs noisy labels (label-noise ceiling "
+          f"{rm_info['rm/label_ceiling']:.3f}), {rm_info['rm/heldout_acc_gold']:.3f} vs the noise-free gold "
+          "order\n              "
+          f"({rm_info['rm/heldout_pairs']} held-out pairs, {rm_info['rm/train_pairs']} training pairs)")
+    print(summary_line("SFT", sft_eval))
+    for beta, evaluation in finals.items():
+        gaps = [abs(row["kl_bound"] - evaluation["objective/kl"]) for row in bon]
+        match = bon[int(np.argmin(gaps))]  # the best-of-n whose KL bound is closest
+        adaptive = " (adaptive)" if args.adaptive_kl else ""
+        largest = ", the largest n" if match is bon[-1] else ""
+        print(summary_line(f"{RL_NAME[args.advantage]} beta={beta:g}{adaptive}", evaluation))
+        print(f"  vs best-of-{match['n']} (KL <= {match['kl_bound']:.2f}{largest}): "
+              f"gold {match['gold/score']:+.3f} | proxy {match['proxy/score']:+.3f}")
+    summary = {"stage": "summary", "advantage": args.advantage, "rm": rm_info, "sft": sft_eval,
+               "ppo": {str(beta): evaluation for beta, evaluation in finals.items()}, "bon": bon,
+               "wall_s": time.time() - run.start}
+    run.log(summary)
+    return summary
 
 
 def summary_line(name, evaluation):
@@ -1307,6 +1180,80 @@ def summary_line(name, evaluation):
             f"{evaluation['objective/kl']:6.2f} | grammar {evaluation['gold/grammar_rate']:.2f} | eos "
             f"{evaluation['gold/eos_rate']:.2f} | repeats {evaluation['gold/repeat_rate']:.2f} | distinct "
             f"{evaluation['gold/distinct_frac']:.2f}\n    " + "\n    ".join(evaluation["samples"][:2]))
+
+
+# ---------------------------------------------------------------- flag checks
+# Each numeric flag's allowed values as (flags, test, what the error says); a test tries a bad value of each.
+FLAG_RANGES = [
+    (("corpus_size", "d_model", "n_layers", "n_heads", "sft_steps", "rm_epochs", "ppo_iterations",
+      "rollout_batch_size", "num_minibatches", "ppo_epochs", "kl_horizon", "eval_samples", "threads"),
+     lambda value: value > 0, "> 0"),
+    (("label_noise", "temperature", "kl_target", "clip_coef", "clip_coef_value"),
+     lambda value: math.isfinite(value) and value > 0, "finite and > 0"),
+    (("sft_lr", "rm_lr", "ppo_lr", "beta", "vf_coef", "ptx_coef"),
+     lambda value: math.isfinite(value) and value >= 0, "finite and >= 0"),
+    (("gamma", "lam"), lambda value: 0 <= value <= 1, "in [0, 1]"),
+    (("seed",), lambda value: 0 <= value < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
+    (("max_response_len",), lambda value: value >= 6, ">= 6 (a corpus response needs up to 6 tokens)"),
+    (("num_pairs",), lambda value: value >= 2, ">= 2 (some pairs are held out)"),
+    (("max_grad_norm",), lambda value: value > 0, "> 0 (inf: no clipping)"),
+    (("missing_eos_penalty",), math.isfinite, "finite"),
+    (("bon_pool",), lambda value: value >= 2, ">= 2"),
+    (("group_size",), lambda value: value >= 2, ">= 2 (k = 1 leaves a response no group to compare with)"),
+    (("sweep_betas",), lambda betas: len(betas) > 0 and all(math.isfinite(b) and b >= 0 for b in betas),
+     "one or more values, each finite and >= 0"),
+]
+# The flags of PPO's critic and GAE: refused with --advantage grpo or rloo unless left at their defaults.
+GAE_ONLY_FLAGS = ("vf_coef", "clip_coef_value", "gamma", "lam", "whiten_rewards")
+
+
+def validate_args(args):
+    """One-line errors naming the flag, before anything is allocated: every numeric flag's range,
+    the flags that constrain each other, and the checkpoints given to --load-sft / --load-rm."""
+    for names, allowed, what in FLAG_RANGES:
+        for name in names:
+            if not allowed(getattr(args, name)):
+                raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be {what}")
+    if args.rollout_batch_size % args.num_minibatches or args.rollout_batch_size // args.num_minibatches < 8:
+        raise SystemExit(f"error: --num-minibatches {args.num_minibatches} must split --rollout-batch-size "
+                         f"{args.rollout_batch_size} into equal minibatches of >= 8 sequences (whitening)")
+    if args.rollout_batch_size % responses_per_prompt(args):
+        raise SystemExit(f"error: --group-size {args.group_size} must divide --rollout-batch-size "
+                         f"{args.rollout_batch_size} (whole groups of k responses per prompt)")
+    for name in GAE_ONLY_FLAGS if args.advantage != "gae" else ("group_size",):
+        if getattr(args, name) != getattr(Args, name):
+            uses = "--advantage grpo and rloo"
+            if name in GAE_ONLY_FLAGS:
+                uses = "--advantage gae (PPO's critic and GAE)"
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} applies to {uses} "
+                             f"only, not to --advantage {args.advantage}")
+    if kl_in_loss(args) and args.kl_estimator != "k1":
+        raise SystemExit(f"error: --kl-estimator {args.kl_estimator} sets the KL penalty in the reward; with "
+                         "the KL in the loss (--kl-penalty loss, GRPO's default) it is k3 (GRPO eq. 4)")
+    if args.d_model % args.n_heads:
+        raise SystemExit(f"error: --n-heads {args.n_heads} must divide --d-model {args.d_model}")
+    if args.load_rm is not None and args.load_sft is None:
+        raise SystemExit(f"error: --load-rm {args.load_rm} needs --load-sft: the RM's normalisation and the "
+                         "critic refer to that SFT policy")
+    # A loaded model keeps its own architecture (--d-model etc. do not apply), but it must know
+    # every token and have a position embedding for every position the other flags will feed it.
+    for flag, path, out_dim in (("--load-sft", args.load_sft, len(VOCAB)), ("--load-rm", args.load_rm, 1)):
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: {flag} {path}: no such file")
+        checkpoint = load_checkpoint(path, flag, "cpu")[1]
+        config = checkpoint["config"]
+        if (config["vocab_size"], config["out_dim"]) != (len(VOCAB), out_dim):
+            kind = "policy" if out_dim > 1 else "reward model"
+            raise SystemExit(f"error: {flag} {path} is not a {kind} over the {len(VOCAB)} tokens of this "
+                             f"language (vocabulary {config['vocab_size']}, output size {config['out_dim']})")
+        if config["max_len"] < PROMPT_LEN + args.max_response_len:
+            raise SystemExit(f"error: --max-response-len {args.max_response_len} is longer than {flag} "
+                             f"{path} supports; use at most {config['max_len'] - PROMPT_LEN}")
+        if out_dim == 1 and not {"rm/bias", "rm/gain"} <= set(checkpoint.get("rm_info", {})):
+            raise SystemExit(f"error: {flag} {path} has no rm_info with rm/bias and rm/gain: not a reward "
+                             "model saved by this script's --save-model")
 
 
 if __name__ == "__main__":

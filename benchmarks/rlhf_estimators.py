@@ -33,6 +33,8 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_rlhf_toy as toy  # noqa: E402  (tooling may import the script; the scripts never import each other)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rlhf_seeds  # noqa: E402  (the sweep's moving average)
 
 HISTORY_KEYS = ("gold/score", "proxy/score", "objective/kl", "objective/entropy", "gold/distinct_frac")
 FINAL_KEYS = ("gold/score", "proxy/score", "objective/kl", "gold/grammar_rate", "gold/repeat_rate",
@@ -81,16 +83,16 @@ def counting_forward(network, tokens):
     return original_forward(network, tokens)
 
 
-def measured_run_ppo(args, **kwargs):
+def measured_run_ppo(args, rl, beta, log=None):
     """toy.run_ppo with its networks' token positions and its wall and CPU seconds recorded in LAST_STAGE."""
     TOKENS.clear()
-    ROLES.update({id(kwargs["policy"]): "policy", id(kwargs["ref_policy"]): "reference",
-                  id(kwargs["score_fn"].args[0]): "reward model"})  # score_fn = partial(proxy_score, rm, ...)
-    if kwargs["critic"] is not None:
-        ROLES[id(kwargs["critic"])] = "critic"
+    ROLES.update({id(rl.policy): "policy", id(rl.ref_policy): "reference",
+                  id(rl.score_fn.args[0]): "reward model"})  # score_fn = partial(proxy_score, rm, ...)
+    if rl.critic is not None:
+        ROLES[id(rl.critic)] = "critic"
     wall, cpu = time.time(), time.process_time()
     try:
-        history = original_run_ppo(args, **kwargs)
+        history = original_run_ppo(args, rl, beta, log)
     finally:
         ROLES.clear()
     LAST_STAGE.update(wall_s=time.time() - wall, cpu_s=time.process_time() - cpu, tokens=dict(TOKENS))
@@ -339,8 +341,8 @@ def plot(results, path):
             continue
         iterations = np.arange(1, len(runs[0]["history"]) + 1)
         for key, style, axis in (("gold/score", "-", 0), ("proxy/score", "--", 0), ("objective/kl", "-", 1)):
-            mean, half = mean_and_interval([toy.moving_average([r[key] for r in run["history"]]) for run in runs])
-            x = iterations[(toy.SMOOTHING_WINDOW - 1) // 2:][:len(mean)]
+            mean, half = mean_and_interval([rlhf_seeds.moving_average([r[key] for r in run["history"]]) for run in runs])
+            x = iterations[(rlhf_seeds.SMOOTHING_WINDOW - 1) // 2:][:len(mean)]
             what = {"gold/score": ": hidden gold", "proxy/score": ": proxy (RM)", "objective/kl": ""}[key]
             axes[axis].plot(x, mean, style, color=color, label=NAMES[estimator] + what)
             axes[axis].fill_between(x, mean - half, mean + half, color=color, alpha=0.15, lw=0)
@@ -362,7 +364,7 @@ def plot(results, path):
         axes[2].errorbar([math.sqrt(row["kl_bound"]) for row in bon], mean, yerr=half, fmt="s:", color="tab:red",
                          ms=4, capsize=2, label=f"best-of-n from SFT (n = 1 .. {bon[-1]['n']}), KL upper bound")
     seeds = len({run["seed"] for run in results["runs"]})
-    smoothing = f"mean ± 95% CI over {seeds} seeds, {toy.SMOOTHING_WINDOW}-iteration centred moving average"
+    smoothing = f"mean ± 95% CI over {seeds} seeds, {rlhf_seeds.SMOOTHING_WINDOW}-iteration centred moving average"
     axes[0].set(xlabel="iteration", ylabel="score (solid: hidden gold, dashed: proxy RM)",
                 title=f"gold and proxy during training, β = {first_beta:g}\n({smoothing})")
     axes[1].set(xlabel="iteration", ylabel="KL(pi || pi_ref)  [nats]", title=f"KL to the SFT policy, β = {first_beta:g}")

@@ -140,6 +140,22 @@ def test_k3_as_a_reward_has_the_gradient_of_forward_minus_reverse_kl_and_k1_that
     assert (reward_gradient["k3"] - gradient(forward_kl)).abs().max() > 0.05
 
 
+def test_k3_in_the_loss_has_the_gradient_of_the_reverse_kl():
+    """GRPO's KL term is a loss, differentiated through log pi at the sampled tokens (no policy-gradient term): exact,
+    by enumeration, its expected gradient E_pi[grad k3] is grad KL(pi_ref || pi), not grad KL(pi || pi_ref), the
+    gradient that k1 in the reward gives. The same beta is therefore a different leash in the two places."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref_logp = torch.randn(6, dtype=torch.float64).log_softmax(0)
+    logp = theta.log_softmax(0)
+    probs = logp.exp().detach()  # the tokens were sampled by pi_old = pi: fixed weights, as in the loss
+    loss_gradient = torch.autograd.grad((probs * M.kl_estimate(logp, ref_logp, "k3")).sum(), theta)[0]
+    reverse_kl = (ref_logp.exp() * (ref_logp - theta.log_softmax(0))).sum()
+    forward_kl = (theta.log_softmax(0).exp() * (theta.log_softmax(0) - ref_logp)).sum()
+    torch.testing.assert_close(loss_gradient, torch.autograd.grad(reverse_kl, theta)[0])
+    assert (loss_gradient - torch.autograd.grad(forward_kl, theta)[0]).abs().max() > 0.05
+
+
 # ---------------------------------------------------------------- the critic-free estimators: GRPO and RLOO
 def naive_group_relative(scores, k, eps=1e-4):
     """GRPO's advantage by hand in float64: each group's mean and sample std (ddof 1) in plain loops."""
@@ -195,7 +211,7 @@ def test_the_kl_in_the_loss_is_grpos_k3_and_leaves_the_reward_alone():
     ref = M.make_model(args, len(M.VOCAB)).requires_grad_(False)  # a reference the policy differs from
     queries = M.random_prompts(16, "cpu").repeat_interleave(4, 0)
     equal_scores = lambda queries, responses: torch.full((len(responses),), 0.5)
-    batch = M.collect_rollout(policy, ref, None, queries, equal_scores, args.beta, args)
+    batch = M.collect_rollout(rl_setup(policy, ref, None, equal_scores), queries, args.beta, args)
     mask = batch["mask"]
     torch.testing.assert_close(batch["rewards"].sum(1), batch["scores"])  # no KL penalty in the reward
     assert batch["advantages"].abs().max() == 0
@@ -204,7 +220,8 @@ def test_the_kl_in_the_loss_is_grpos_k3_and_leaves_the_reward_alone():
     log_r = batch["ref_logp"] - logp * mask  # log(pi_ref / pi) per token
     k3 = ((log_r.exp() - 1 - log_r) * mask).sum() / mask.sum()
     k3.backward()
-    (stats,) = M.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=0.1), batch, args, args.beta)
+    (stats,) = M.ppo_update(rl_setup(policy, ref, None, equal_scores), torch.optim.SGD(policy.parameters(), lr=0.1),
+                            batch, args, args.beta)
     assert stats["kl_loss"] == pytest.approx(k3.item(), rel=1e-5) and k3 > 0.1
     for moved, start in zip(policy.parameters(), before.parameters()):
         torch.testing.assert_close(moved - start.detach(), -0.1 * args.beta * start.grad, atol=1e-6, rtol=1e-4)
@@ -239,7 +256,7 @@ def test_best_of_n_weights_match_brute_force_over_all_subsets():
 def test_reward_head_init_std():
     torch.manual_seed(0)
     for d_model, std in [(48, 0.142857), (64, 0.124035), (768, 0.036061)]:
-        head = M.TinyTransformer(10, 1, d_model, 1, 4, 8).head
+        head = M.TinyTransformer(M.ModelConfig(10, 1, d_model, 1, 4, 8)).head
         assert head.weight.std().item() == pytest.approx(std, rel=0.3 if d_model < 100 else 0.08)
         assert head.bias.abs().max().item() == 0.0
 
@@ -279,10 +296,10 @@ def parabola_history(offset=0.0, spike_at=None):
 
 def test_smoothed_peak_of_one_run_on_a_closed_form():
     # a 5-wide centred average of -(j - 30)^2 / 100 over j = 28..32 is -10 / 5 / 100 at the centre; of j / 10, 3.0
-    peak = M.smoothed_peak(parabola_history())
+    peak = rlhf_seeds.smoothed_peak([parabola_history()])
     assert peak["iteration"] == 30 and peak["gold/score"] == pytest.approx(-0.02)
     assert peak["objective/kl"] == pytest.approx(3.0)
-    assert M.smoothed_peak(parabola_history(spike_at=50))["iteration"] == 30  # one noisy batch is not the peak
+    assert rlhf_seeds.smoothed_peak([parabola_history(spike_at=50)])["iteration"] == 30  # one noisy batch is not the peak
 
 
 def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
@@ -295,12 +312,13 @@ def test_seeds_tool_statistics_and_plots_on_fake_histories(in_tmp):
     assert peak["iteration"] == 30 and peak["objective/kl"] == pytest.approx(3.0)
     assert peak["gold/score"] == pytest.approx(-0.02) and peak["gold/score se"] == pytest.approx(0.1)
     assert peak["objective/kl se"] == pytest.approx(0.0, abs=1e-12)
-    # one seed: the toy's own peak (what its sweep prints), with standard errors 0
+    # one seed: that run's own peak, with standard errors 0
     one_seed = rlhf_seeds.smoothed_peak([parabola_history(spike_at=50)])
-    assert one_seed == {**M.smoothed_peak(parabola_history(spike_at=50)), "gold/score se": 0.0, "objective/kl se": 0.0}
+    assert one_seed == {"iteration": 30, "gold/score": pytest.approx(-0.02), "objective/kl": pytest.approx(3.0),
+                        "gold/score se": 0.0, "objective/kl se": 0.0}
     bon = [{"n": n, "kl_bound": M.best_of_n_kl_bound(n), "gold/score": 0.1 * n, "proxy/score": 0.2 * n} for n in (1, 2)]
     rlhf_seeds.plot_sweep([({0.0: history, 0.05: history}, bon) for history in histories], "seeds.png")
-    M.plot_sweep({0.0: histories[0], 0.05: histories[1]}, bon, "one_run.png")
+    rlhf_seeds.plot_sweep([({0.0: histories[0], 0.05: histories[1]}, bon)], "one_run.png")  # one seed's sweep
     assert (in_tmp / "seeds.png").stat().st_size > 10000 and (in_tmp / "one_run.png").stat().st_size > 10000
 
 
@@ -357,7 +375,7 @@ def test_rm_score_is_read_at_eos_whatever_the_padding():
 
 def test_proxy_score_normalises_and_penalises_a_missing_eos():
     torch.manual_seed(0)
-    rm = M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 15)
+    rm = M.TinyTransformer(M.ModelConfig(len(M.VOCAB), 1, 16, 1, 2, 15))
     rm_info = {"rm/bias": 0.3, "rm/gain": 2.0}
     queries = torch.tensor([encode("the movie"), encode("a plot")])
     responses = torch.tensor([[M.TOKEN[word] for word in "was great .".split()] + [M.PAD] * 3,
@@ -411,8 +429,9 @@ def test_rollout_logprobs_equal_recomputed_and_first_minibatch_ratio_is_one():
     assert (sampled_logp[mask == 0] == 0).all()
     optimizer = torch.optim.Adam([*policy.parameters(), *critic.parameters()], lr=1e-3, eps=1e-5)
     for _ in range(3):  # the first minibatch of EVERY update starts from the rollout policy
-        batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
-        stats = M.ppo_update(policy, critic, optimizer, batch, args, args.beta)
+        rl = rl_setup(policy, ref, critic, score_fn)
+        batch = M.collect_rollout(rl, M.random_prompts(64, "cpu"), args.beta, args)
+        stats = M.ppo_update(rl, optimizer, batch, args, args.beta)
         # exactly 1.0 and 0.0 on our CPU; the tolerance only guards against BLAS kernels that depend on the batch shape
         assert stats[0]["ratio"] == pytest.approx(1.0, abs=1e-6) and stats[0]["approxkl"] < 1e-12
         assert stats[0]["clipfrac"] == 0.0 and stats[0]["vf_clipfrac"] == 0.0
@@ -424,11 +443,12 @@ def test_temperature_is_applied_in_every_pass():
     """Logits are divided by the temperature in every pass; if rollout and update disagreed, the first ratio would
     not be 1 (Huang et al. 2024, the N+ implementation details of RLHF with PPO)."""
     args, policy, ref, critic, score_fn = small_setup(temperature=0.5)
-    batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
+    rl = rl_setup(policy, ref, critic, score_fn)
+    batch = M.collect_rollout(rl, M.random_prompts(64, "cpu"), args.beta, args)
     wrong = M.response_logprobs(policy, batch["queries"], batch["responses"], 1.0)[0] * batch["mask"]
     assert (wrong - batch["logp"]).abs().max() > 1e-2
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    assert M.ppo_update(policy, critic, optimizer, batch, args, args.beta)[0]["approxkl"] < 1e-12
+    assert M.ppo_update(rl, optimizer, batch, args, args.beta)[0]["approxkl"] < 1e-12
 
 
 @pytest.mark.parametrize("whiten_rewards", [False, True])
@@ -436,7 +456,7 @@ def test_reward_whitening_keeps_the_mean_and_feeds_gae(whiten_rewards):
     """--whiten-rewards: per-token rewards scaled to unit variance without re-centring (OAI's shift_mean=False),
     and those are the rewards GAE sees."""
     args, policy, ref, critic, score_fn = small_setup(whiten_rewards=whiten_rewards, beta=0.3)
-    batch = M.collect_rollout(policy, ref, critic, M.random_prompts(64, "cpu"), score_fn, args.beta, args)
+    batch = M.collect_rollout(rl_setup(policy, ref, critic, score_fn), M.random_prompts(64, "cpu"), args.beta, args)
     mask = batch["mask"]
     raw = M.per_token_rewards(batch["kl"], batch["scores"], mask, args.beta)
     if whiten_rewards:
@@ -525,6 +545,12 @@ def enumerable_prompts(n):
     return torch.full((n, 1), M.BOS)
 
 
+def rl_setup(policy, ref, critic, score_fn, **overrides):
+    """The RL stage's record with the enumerable task's prompts unless overridden."""
+    return M.RLSetup(**{"policy": policy, "ref_policy": ref, "critic": critic, "score_fn": score_fn,
+                        "sample_prompts": enumerable_prompts, **overrides})
+
+
 def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
     """PPO (or GRPO, RLOO with advantage=...) on the enumerable task -> the exact learned and reference
     distributions, the gold table and the critic's V(prompt) (None without a critic)."""
@@ -533,8 +559,7 @@ def run_enumerable_ppo(beta, iterations, lr, seed=0, **overrides):
                   rollout_batch_size=256, num_minibatches=4, ppo_lr=lr, **overrides)
     policy = copy.deepcopy(ref).requires_grad_(True)
     critic = TablePolicy(1, 0.0) if args.advantage == "gae" else None
-    M.run_ppo(args, beta=beta, policy=policy, ref_policy=ref, critic=critic, score_fn=score_fn,
-              sample_prompts=enumerable_prompts)
+    M.run_ppo(args, rl_setup(policy, ref, critic, score_fn), beta)
     pi = exact_distribution(policy, responses, args.temperature)
     pi_ref = exact_distribution(ref, responses, args.temperature)
     return pi, pi_ref, rewards, None if critic is None else critic(torch.full((1, 1), M.BOS))[0, 0].item()
@@ -594,7 +619,7 @@ def test_each_estimator_samples_the_same_number_of_responses_k_per_prompt(advant
                   advantage=advantage, **({} if advantage == "gae" else {"group_size": group_size}))
     policy = copy.deepcopy(ref).requires_grad_(True)
     critic = TablePolicy(1, 0.0) if advantage == "gae" else None
-    M.run_ppo(args, beta=0.1, policy=policy, ref_policy=ref, critic=critic, score_fn=spy, sample_prompts=distinct_prompts)
+    M.run_ppo(args, rl_setup(policy, ref, critic, spy, sample_prompts=distinct_prompts), 0.1)
     assert draws == [32 // group_size] * 2 and [len(queries) for queries in scored] == [32, 32]
     for queries in scored:
         groups = queries.view(-1, group_size)
@@ -655,8 +680,7 @@ def test_adaptive_kl_controller_sets_the_beta_of_each_next_iteration_in_run_ppo(
     args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, ppo_iterations=8, rollout_batch_size=64,
                   num_minibatches=4, ppo_lr=0.05, adaptive_kl=True, kl_target=0.05, kl_horizon=200)
     policy = copy.deepcopy(ref).requires_grad_(True)
-    history = M.run_ppo(args, beta=0.5, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
-                        score_fn=score_fn, sample_prompts=enumerable_prompts)
+    history = M.run_ppo(args, rl_setup(policy, ref, TablePolicy(1, 0.0), score_fn), 0.5)
     assert history[0]["objective/kl_coef"] == 0.5
     for before, after in zip(history, history[1:]):
         expected = M.adaptive_kl_beta(before["objective/kl_coef"], before["objective/kl"], 0.05, 64, 200)
@@ -686,8 +710,8 @@ def test_ppo_ptx_mixes_the_pretraining_loss_into_the_update(enumerable_eos):
         args = M.Args(max_response_len=ENUM_LEN, temperature=0.7, beta=0.0, ppo_iterations=4, rollout_batch_size=64,
                       num_minibatches=4, ppo_lr=0.05, ptx_coef=ptx_coef)
         policy = copy.deepcopy(ref).requires_grad_(True)
-        history = M.run_ppo(args, beta=0.0, policy=policy, ref_policy=ref, critic=TablePolicy(1, 0.0),
-                            score_fn=zero_score, sample_prompts=enumerable_prompts, sample_corpus=corpus_batch)
+        rl = rl_setup(policy, ref, TablePolicy(1, 0.0), zero_score, sample_corpus=corpus_batch)
+        history = M.run_ppo(args, rl, 0.0)
         probability[ptx_coef] = exact_distribution(policy, responses, 1.0)[target_index].item()
         if ptx_coef == 0:
             assert calls == [] and "loss/ptx_avg" not in history[0]
@@ -747,16 +771,17 @@ def test_limits_that_are_allowed():
 
 
 def tiny_checkpoint(path, out_dim=len(M.VOCAB), **extra):
-    model = M.TinyTransformer(len(M.VOCAB), out_dim, 16, 1, 2, 15, banned_tokens=(M.PAD, M.BOS) if out_dim > 1 else ())
+    banned_tokens = (M.PAD, M.BOS) if out_dim > 1 else ()
+    model = M.TinyTransformer(M.ModelConfig(len(M.VOCAB), out_dim, 16, 1, 2, 15, banned_tokens))
     M.save_checkpoint(path, model, **extra)
     return model
 
 
 def test_a_checkpoint_that_cannot_serve_the_flags_fails_at_once_with_one_line(in_tmp):
-    policy = lambda vocab, max_len: M.TinyTransformer(vocab, vocab, 16, 1, 2, max_len, banned_tokens=(M.PAD, M.BOS))
+    policy = lambda vocab, max_len: M.TinyTransformer(M.ModelConfig(vocab, vocab, 16, 1, 2, max_len, (M.PAD, M.BOS)))
     M.save_checkpoint("short.pt", policy(len(M.VOCAB), M.PROMPT_LEN + 8))  # room for 8 response tokens
     M.save_checkpoint("other_vocab.pt", policy(20, 16))
-    M.save_checkpoint("reward_model.pt", M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 16))
+    M.save_checkpoint("reward_model.pt", M.TinyTransformer(M.ModelConfig(len(M.VOCAB), 1, 16, 1, 2, 16)))
     tiny_checkpoint("rm_without_info.pt", out_dim=1)
     for overrides, flag in [(dict(load_sft="short.pt"), "--max-response-len"),  # 12 > 8
                             (dict(load_sft="other_vocab.pt"), "--load-sft"),
@@ -816,10 +841,10 @@ def test_a_checkpoint_written_before_weights_only_loading_still_loads(in_tmp):
     """The layout save_checkpoint wrote before this change: config with a tuple of banned tokens, the state dict,
     and for the RM an rm_info of plain numbers without the newer keys (rm/heldout_loss, rm/epochs...)."""
     torch.manual_seed(0)
-    rm = M.TinyTransformer(len(M.VOCAB), 1, 16, 1, 2, 15)
+    rm = M.TinyTransformer(M.ModelConfig(len(M.VOCAB), 1, 16, 1, 2, 15))
     old_info = {"rm/heldout_acc": 0.75, "rm/heldout_acc_gold": 0.81, "rm/label_ceiling": 0.85, "rm/train_pairs": 3600,
                 "rm/heldout_pairs": 400, "rm/bias": 0.1, "rm/gain": 1.3}
-    torch.save({"config": rm.config, "state_dict": rm.state_dict(), "rm_info": old_info}, "old_rm.pt")
+    torch.save({"config": dataclasses.asdict(rm.config), "state_dict": rm.state_dict(), "rm_info": old_info}, "old_rm.pt")
     loaded, checkpoint = M.load_checkpoint("old_rm.pt", "--load-rm", "cpu")
     assert checkpoint["rm_info"] == old_info and checkpoint["config"]["banned_tokens"] == ()
     queries = M.random_prompts(4, "cpu")
