@@ -80,7 +80,7 @@ class RunsCode:
 def one_line_error(module, path):
     args = module.Args(resume=str(path))
     with pytest.raises(SystemExit) as failure:
-        module.load_checkpoint(str(path), args)
+        module.load_checkpoint(args)
     message = str(failure.value.code)
     assert message.startswith(f"error: {path}") and "\n" not in message, message
     return message
@@ -104,12 +104,12 @@ def test_damaged_foreign_and_old_checkpoints_fail_with_one_line(script, tmp_path
             ppg_procgen: dict(num_steps=8, num_minibatches=1, total_timesteps=16, n_pi=1),
             vtrace: dict(unroll_length=8, updates_per_iteration=1, total_timesteps=16)}[module]
     # One torch thread: these tiny convolutions gain nothing from two, and with other jobs on the cores a team of two
-    # runs them many times slower (see vtrace.py's thread_split).
+    # runs them many times slower.
     args = module.Args(env_id="bigfish", num_envs=2, channels=(4,), hidden_size=8, eval_episodes=1, save_model=True,
                        save_every=1, torch_threads=1, **tiny)
     run_dir = module.train(args)
     good = os.path.join(run_dir, "checkpoint.pt")
-    checkpoint, _ = module.load_checkpoint(good, module.Args(resume=good))  # the real thing loads
+    checkpoint, _ = module.load_checkpoint(module.Args(resume=good))  # the real thing loads
     assert checkpoint["iteration"] == 1
 
     truncated = tmp_path / "truncated.pt"
