@@ -484,11 +484,24 @@ def phase_case(name, inputs, checks, hint, variants=(), hidden=False):
     return Case("auxiliary_phase", name, inputs, expected, mistakes=mistakes, hidden=hidden, kind="phase")
 
 
-def phase_cases(seed=None):
-    """The phase's cases: public with seed None, else hidden ones drawn from the seed."""
+def phase_cases(seed=None, disguise_rng=None):
+    """The phase's cases: public with seed None, else hidden ones drawn from the seed. With `disguise_rng`, the
+    public cases' value targets, initial weights and leftover gradients are disguised (disguise) and their
+    expectations recomputed: the frames' pixels stay, they index the rollouts."""
     rng = np.random.default_rng(6 if seed is None else seed)
     hidden = seed is not None
     prefix = "hidden: " if hidden else ""
+    suffix = " (inputs rescaled by ~1 %)" if disguise_rng is not None else ""
+
+    def made(name, inputs, checks, hint, variants=()):
+        if disguise_rng is not None:
+            inputs = dict(inputs)
+            for key in ("targets", "init", "leftover"):
+                if isinstance(inputs.get(key), dict):
+                    inputs[key] = {part: disguise(array, disguise_rng) for part, array in inputs[key].items()}
+                elif key in inputs:
+                    inputs[key] = disguise(inputs[key], disguise_rng)
+        return phase_case(prefix + name + suffix, inputs, checks, hint, variants, hidden=hidden)
 
     def buffer(rollouts, steps=2):
         return dict(features=rng.integers(0, 256, (rollouts, steps, 3)).astype(float),
@@ -504,7 +517,7 @@ def phase_cases(seed=None):
     with_nan = buffer(4)
     with_nan["targets"][1, 0] = np.nan
     cases = [
-        phase_case(prefix + "lr 0: E_aux = 2 epochs of 2 minibatches of 2 rollouts: 4 steps, KL 0, the buffer's "
+        made("lr 0: E_aux = 2 epochs of 2 minibatches of 2 rollouts: 4 steps, KL 0, the buffer's "
                    "losses", dict(four, args=settings(e_aux=2, num_aux_rollouts=2), lr=0.0),
                    {"steps": 4, "why_steps": "2 epochs x 2 minibatches", "minibatch": 2, "stats": True},
                    "with a learning rate of 0 nothing moves, so every minibatch's KL(pi_old || pi) is exactly 0 when "
@@ -512,35 +525,35 @@ def phase_cases(seed=None):
                    "rollouts (the same shuffled indices as its frames); the returned means are the means of "
                    "ppg_aux_loss's parts over the minibatches; one optimizer step per minibatch of "
                    "aux_rollouts_per_rank(args) rollouts."),
-        phase_case(prefix + "the default minibatch size: num_aux_rollouts None and 32 games give 2 rollouts",
+        made("the default minibatch size: num_aux_rollouts None and 32 games give 2 rollouts",
                    dict(four, args=settings(num_envs=32, num_aux_rollouts=None), lr=0.0),
                    {"steps": 2, "why_steps": "1 epoch x 2 minibatches of 2 rollouts", "minibatch": 2},
                    "num_aux_rollouts is None by default (the PPG code's 4 per 64 games): the minibatch size in "
                    "rollouts is aux_rollouts_per_rank(args), never args.num_aux_rollouts itself."),
-        phase_case(prefix + "a new shuffle in each epoch: 8 rollouts, minibatches of 2, 3 epochs",
+        made("a new shuffle in each epoch: 8 rollouts, minibatches of 2, 3 epochs",
                    dict(buffer(8), args=settings(e_aux=3, num_aux_rollouts=2), lr=0.0),
                    {"steps": 12, "why_steps": "3 epochs x 4 minibatches", "shuffle": [8, 4], "epochs": 3},
                    "each epoch draws a new random order of the R rollouts (torch.randperm(R) per epoch) and splits "
                    "it into minibatches of whole rollouts."),
-        phase_case(prefix + "E_aux = 3 on one minibatch of all 4 rollouts, SGD lr 0.5, starting with the policy "
+        made("E_aux = 3 on one minibatch of all 4 rollouts, SGD lr 0.5, starting with the policy "
                    "phase's leftover gradients in .grad", moving, {"weights": True},
                    "Algorithm 1 with zeroed gradients before each minibatch (the first included), pi_old stored "
                    "once, E_aux epochs, each network's gradient clipped on its own.",
                    ("zero_grad after the step", "no zero_grad", "pi_old each epoch", "one epoch")),
-        phase_case(prefix + "its statistics: each part averaged over the minibatches of ALL 3 epochs", moving,
+        made("its statistics: each part averaged over the minibatches of ALL 3 epochs", moving,
                    {"stats": True}, "accumulate ppg_aux_loss's three parts (detached) over every minibatch of every "
                    "epoch and divide by the number of steps; not the last epoch's, not the last minibatch's."),
-        phase_case(prefix + "max_grad_norm 0.01: each network's gradient clipped on its own",
+        made("max_grad_norm 0.01: each network's gradient clipped on its own",
                    dict(four, args=settings(max_grad_norm=0.01), lr=0.5), {"weights": True},
                    "clip_grad_norms(optimizer, args.max_grad_norm) before each step: it clips theta_pi's and "
                    "theta_V's gradients each on its own.", ("no clipping", "clipped over all parameters together")),
-        phase_case(prefix + "n_aux_grad_accum = 2 on a minibatch of 3 rollouts: chunks of 2 and 1, one step",
+        made("n_aux_grad_accum = 2 on a minibatch of 3 rollouts: chunks of 2 and 1, one step",
                    dict(buffer(3), args=settings(num_aux_rollouts=3, n_aux_grad_accum=2, e_aux=2), lr=0.5),
                    {"weights": True, "stats": True, "steps": 2, "why_steps": "2 epochs x 1 minibatch"},
                    "with n_aux_grad_accum chunks of UNEQUAL size, weigh each chunk's loss (and its statistics) by "
                    "len(chunk) / len(minibatch), not by 1 / n_aux_grad_accum: the accumulated gradient must be the "
                    "minibatch's mean gradient; one optimizer step per minibatch."),
-        phase_case(prefix + "a NaN value target: FloatingPointError before any step changes the weights",
+        made("a NaN value target: FloatingPointError before any step changes the weights",
                    dict(with_nan, args=settings(), lr=0.5), {"raises": True},
                    "check the gradient norms that clip_grad_norms returns and raise FloatingPointError when they are "
                    "not finite, before optimizer.step() (as ppo_update does)."),
@@ -598,12 +611,13 @@ def disguise(value, rng):
 def disguised_public(function, seed):
     """The public cases with their inputs disguised from the seed and their answers recomputed: a submission that
     looks up the shipped answers (exercises/cases/*.json) gains nothing, an honest one passes as on the shipped
-    cases. The phase's cases are procedures on a tiny agent whose pixels index its rollouts: they stay as shipped."""
-    public = PUBLIC[function]()
-    if function == "auxiliary_phase":
-        return public
+    cases. The phase's cases are procedures on a tiny agent whose pixels index its rollouts: their value targets,
+    initial weights and leftover gradients are disguised (phase_cases)."""
     digest = hashlib.sha256(f"{seed}:public:{function}".encode()).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    if function == "auxiliary_phase":
+        return phase_cases(disguise_rng=rng)
+    public = PUBLIC[function]()
     return [make_case(function, f"{case.name} (inputs rescaled by ~1 %)",
                       {key: disguise(value, rng) for key, value in case.inputs.items()}, tuple(case.grads))
             for case in public]
@@ -735,7 +749,8 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2, secret_file=None)
     columns = list(EXERCISES)
     stems = report_names(students)
     for student, (result, text) in zip(students, graded):
-        grading.write_atomic(os.path.join(out, f"{stems[student]}.txt"), text[:REPORT_CHARS] + "\n")
+        grading.write_atomic(os.path.join(out, f"{stems[student]}.txt"),
+                            sandbox.printable_text(text[:REPORT_CHARS]) + "\n")
         grading.write_atomic(os.path.join(out, f"{stems[student]}.json"), json.dumps(result, indent=1))
         row = {"student": spreadsheet_cell(sandbox.display(student)), "points": result["points"],
                "max_points": result["max_points"], "seconds": result["seconds"]}
@@ -885,7 +900,7 @@ def main(argv=None):
             parser.error(f"files: {path} does not exist")
     student = options.student or os.path.basename(os.path.dirname(os.path.abspath(options.files[0])))
     result, text = grade_submission(scripts, refused, [options.exercise], student, secret, limits)
-    print(text[:REPORT_CHARS])
+    print(sandbox.printable_text(text[:REPORT_CHARS]))
     if options.json:
         grading.write_atomic(options.json, json.dumps(result, indent=1))
     return 0 if result["points"] == result["max_points"] else 1
