@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import stat
 import sys
 import time
@@ -802,6 +803,119 @@ def warn_if_open(*folders, repository=None, secret_file=None):
                   f"chmod -R o-rwx {fix}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- Gradescope: the bundle and its run
+GRADESCOPE_ROOT = "/autograder"  # Gradescope's folder; $AUTOGRADER_ROOT overrides it (a test lays one out)
+GRADESCOPE_PYTHON = "/opt/course_grader/venv/bin/python"  # setup.sh's virtual environment; $AUTOGRADER_PYTHON
+SETUP_SH = """#!/usr/bin/env bash
+# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu): a virtual environment with
+# the pinned CPU build of torch and the repository's requirements, then the bundle made readable by root only.
+set -euo pipefail
+apt-get install -y python3 python3-venv python3-pip
+python3 -m venv /opt/course_grader/venv
+/opt/course_grader/venv/bin/pip install --no-cache-dir torch=={torch} --index-url https://download.pytorch.org/whl/cpu
+/opt/course_grader/venv/bin/pip install --no-cache-dir -r /autograder/source/requirements.txt
+chmod -R go-rwx /autograder/source
+"""
+RUN_AUTOGRADER = """#!/usr/bin/env bash
+# Gradescope runs this as root for each submission: the grader (in source/, readable by root only) grades
+# submission/ as an unprivileged user of its own per submission and writes results/results.json.
+ROOT="${{AUTOGRADER_ROOT:-/autograder}}"
+chmod -R go-rwx "$ROOT/source"
+exec "${{AUTOGRADER_PYTHON:-{python}}}" -I "$ROOT/source/exercises/instructor.py" gradescope-run {exercise} \\
+    --secret-file "$ROOT/source/secret"
+"""
+
+
+def pinned_torch():
+    """torch's version as requirements.txt pins it."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        for line in f:
+            if line.startswith("torch=="):
+                return line.split("==", 1)[1].split(";")[0].strip()
+    raise RuntimeError("requirements.txt pins no torch")
+
+
+def gradescope_bundle(exercise, out, secret):
+    """autograder.zip for Gradescope: setup.sh and run_autograder at its root, source/'s files beside them
+    (Gradescope unpacks the zip into /autograder/source): the repository's four scripts, requirements.txt,
+    exercises/ (the grader, the references, the public cases) and the secret, each readable by root only."""
+    import zipfile
+    members = [name for name in SCRIPTS] + ["requirements.txt"]
+    for directory, folders, names in os.walk(HERE):
+        folders[:] = [folder for folder in folders if folder != "__pycache__"]
+        for name in names:
+            if name.endswith((".py", ".json")):
+                members.append(os.path.relpath(os.path.join(directory, name), ROOT))
+    with zipfile.ZipFile(out + ".part", "w", zipfile.ZIP_DEFLATED) as bundle:
+        for name, text, mode in (("setup.sh", SETUP_SH.format(torch=pinned_torch()), 0o700),
+                                 ("run_autograder", RUN_AUTOGRADER.format(python=GRADESCOPE_PYTHON,
+                                                                          exercise=exercise), 0o700),
+                                 ("secret", secret + "\n", 0o600)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFREG | mode) << 16
+            bundle.writestr(info, text)
+        for member in sorted(members):
+            info = zipfile.ZipInfo.from_file(os.path.join(ROOT, member), member)
+            info.external_attr = (stat.S_IFREG | 0o600) << 16
+            with open(os.path.join(ROOT, member), "rb") as f:
+                bundle.writestr(info, f.read(), zipfile.ZIP_DEFLATED)
+    os.chmod(out + ".part", 0o600)
+    os.replace(out + ".part", out)
+
+
+def gradescope_results(result, text):
+    """Gradescope's results.json (gradescope-autograders.readthedocs.io, "Autograder Specifications"): the score,
+    the report as the submission's output, one test per case (hidden cases shown once grades are published)."""
+    tests = []
+    for exercise, part in result["exercises"].items():
+        for case in part["cases"]:
+            tests.append({"name": sandbox.printable_text(f"{exercise}: {case['item']}"),
+                          "score": round(case["points"], 4), "max_score": round(case["max_points"], 4),
+                          "output": sandbox.printable_text(case["message"][:20000]),
+                          "visibility": "after_published" if case["hidden"] else "visible"})
+    return {"score": result["points"], "output": sandbox.printable_text(text[:REPORT_CHARS]),
+            "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
+
+
+def gradescope_student(root):
+    """The seed's name: the first submitter's email in submission_metadata.json (Gradescope writes it; the
+    student cannot), or "submission" without one."""
+    try:
+        with open(os.path.join(root, "submission_metadata.json")) as f:
+            users = json.load(f).get("users") or []
+        email = users[0].get("email")
+        return email if isinstance(email, str) and email else "submission"
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return "submission"
+
+
+def gradescope_run(exercise, secret, limits):
+    """What run_autograder runs: grade the submission, write results.json; any failure is a 0 with its reason.
+    The results folder is made root's and closed to others first: a submission cannot write results.json."""
+    root = os.environ.get("AUTOGRADER_ROOT", GRADESCOPE_ROOT)
+    results = os.path.join(root, "results")
+    os.makedirs(results, exist_ok=True)
+    os.chown(results, 0, 0)
+    os.chmod(results, 0o755)
+    student = gradescope_student(root)
+    try:
+        descriptor = os.open(os.path.join(root, "submission"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            scripts, refused = sandbox.read_submission(descriptor, SCRIPTS)
+        finally:
+            os.close(descriptor)
+        if not scripts and not refused:
+            raise sandbox.Refused(f"the submission holds none of {', '.join(SCRIPTS)}")
+        result, text = grade_submission(scripts, refused, [exercise], student, secret, limits)
+    except Exception as error:  # a crash of the grader's: a 0 with its reason, never a missing results.json
+        reason = f"not graded: {type(error).__name__}: {str(error)[:2000]}"
+        result, text = failed_result(student, [], [exercise], reason)
+    grading.write_atomic(os.path.join(results, "results.json"), json.dumps(gradescope_results(result, text),
+                                                                           indent=1))
+    print(sandbox.printable_text(text[:REPORT_CHARS]))
+    return 0
+
+
 # ---------------------------------------------------------------- the secret: never on a command line
 SECRET_HELP = ("a file holding the secret mixed into each submission's seed (its first line; - for standard "
                "input), so that students cannot reproduce the hidden cases; default: $GRADER_SECRET. Never on a "
@@ -837,8 +951,16 @@ def main(argv=None):
     many.add_argument("--out", default="grades", help="folder for the reports, JSON results and grades.csv")
     many.add_argument("--jobs", type=int, default=2, help="submissions graded at once (one child process each)")
     commands.add_parser("make-cases", help="rewrite the public cases (exercises/cases/*.json) from the references")
+    bundle = commands.add_parser("gradescope", help="build Gradescope's autograder.zip for one exercise")
+    bundle.add_argument("exercise", choices=sorted(EXERCISES))
+    bundle.add_argument("--out", default="autograder.zip", help="the zip to write")
+    run = commands.add_parser("gradescope-run", help="what the bundle's run_autograder runs (as root, on "
+                              "$AUTOGRADER_ROOT, default /autograder)")
+    run.add_argument("exercise", choices=sorted(EXERCISES))
     defaults = sandbox.Limits()
-    for command in (one, many):
+    bundle.add_argument("--secret-file", default=None, help="the secret baked into the bundle (its first line); "
+                        "default: a new random one, printed once")
+    for command in (one, many, run):
         command.add_argument("--secret-file", default=None, help=SECRET_HELP)
         command.add_argument("--secret", default=None, help=argparse.SUPPRESS)  # refused below, with the reason
         command.add_argument("--unsafe-same-user", action="store_true",
@@ -856,6 +978,13 @@ def main(argv=None):
         make_public_cases()
         print(f"wrote {grading.CASES_DIR}")
         return 0
+    if options.command == "gradescope":
+        secret = read_secret(options.secret_file) if options.secret_file else secrets.token_hex(16)
+        if not options.secret_file:
+            print(f"the bundle's secret (keep it to grade again outside Gradescope): {secret}")
+        gradescope_bundle(options.exercise, options.out, secret)
+        print(f"wrote {options.out}: upload it as the assignment's autograder (docs/assignments.md)")
+        return 0
     if options.secret is not None:
         parser.error("--secret: a secret on the command line is readable by every process on the machine "
                      "(/proc/PID/cmdline), the submissions' included; use --secret-file FILE (- for standard input)")
@@ -865,6 +994,10 @@ def main(argv=None):
     if os.geteuid() != 0:
         print(f"warning: --unsafe-same-user: {SAME_USER}", file=sys.stderr)
     limits = limits_of(parser, options)
+    if options.command == "gradescope-run":
+        if os.geteuid() != 0:
+            parser.error("gradescope-run: run it as root (Gradescope runs run_autograder as root)")
+        return gradescope_run(options.exercise, read_secret(options.secret_file), limits)
     if options.command == "batch":
         unknown = [e for e in (options.exercises or "").split(",") if e and e not in EXERCISES]
         if unknown:

@@ -382,6 +382,7 @@ import os as _os
 
 _libc = _ctypes.CDLL(None, use_errno=True)
 _uid, _gid = _os.getuid(), _os.getgid()
+_libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: its /proc/self files are its own again (a uid change cleared it)
 _own = _libc.unshare(0x10000000 | 0x00020000) == 0
 if _own:
     for _name, _text in (("setgroups", "deny"), ("uid_map", f"0 {_uid} 1"), ("gid_map", f"0 {_gid} 1")):
@@ -1064,3 +1065,117 @@ def test_a_function_weighs_the_same_however_many_copies():
     assert sum(r.points for r in alone) == pytest.approx(20) and sum(r.max_points for r in alone) == 40
     assert sum(r.points for r in both) == pytest.approx(30) and sum(r.max_points for r in both) == pytest.approx(40)
     assert not both[-1].passed and both[-1].max_points == 0
+
+
+# ---------------------------------------------------------------- root without CAP_SYS_ADMIN (a default Docker container)
+# An honest script that is slow to import (so that the two below run beside it), one that copies whatever other
+# submission's ppo_procgen.py it can read, and one that fills /tmp while the others are graded, then frees it.
+SLOW = "\nimport time as _time\n_time.sleep(4)\n"
+COPIER = ZEROS + '''
+import os as _os
+import time as _time
+
+_found = None
+_end = _time.time() + 6
+while _found is None and _time.time() < _end:
+    for _top in ("/tmp", "/var/tmp", "/var/lib", "/dev/shm", "/run"):
+        for _folder, _, _names in _os.walk(_top):
+            if "ppo_procgen.py" in _names and _os.path.realpath(_folder) != _os.path.realpath(_os.getcwd()):
+                try:
+                    with open(_os.path.join(_folder, "ppo_procgen.py")) as _f:
+                        _text = _f.read()
+                except OSError:
+                    continue
+                if "_found = None" not in _text:
+                    _found = _text
+    _time.sleep(0.2)
+if _found is not None:
+    _namespace = {}
+    exec(compile(_found, "classmate", "exec"), _namespace)
+    compute_gae = _namespace["compute_gae"]
+'''
+FILLER = ZEROS + '''
+import os as _os
+import time as _time
+
+_paths = []
+try:
+    for _number in range(64):
+        _paths.append(f"/tmp/fill_{_os.getpid()}_{_number}")
+        with open(_paths[-1], "wb") as _f:
+            for _ in range(15):
+                _f.write(b"\\1" * (1 << 20))
+except OSError:
+    pass
+_time.sleep(8)
+for _path in _paths:
+    try:
+        _os.unlink(_path)
+    except OSError:
+        pass
+'''
+PR_CAPBSET_DROP, CAP_SYS_ADMIN = 24, 21
+CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+
+
+def like_docker():
+    """The grader's process as in a default Docker container: root without CAP_SYS_ADMIN (dropped from the
+    bounding set: after exec it is in no set), and a /tmp of its own of 64 MiB (a mount namespace made first)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.unshare(CLONE_NEWNS) == 0
+    assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    assert libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m,mode=1777") == 0
+    assert libc.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) == 0
+
+
+@pytest.fixture(scope="module")
+def docker_graded():
+    """A batch of three graded at once, the grader run as in a default Docker container (like_docker); its folders
+    out of /tmp, which the grader's mount namespace replaces."""
+    base = tempfile.mkdtemp(dir="/var/tmp")
+    try:
+        yield graded_like_docker(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def graded_like_docker(base):
+    repository = private_repository(os.path.join(base, "repository"))
+    folder, out = os.path.join(base, "submissions"), os.path.join(base, "grades")
+    with open(os.path.join(ROOT, "ppo_procgen.py")) as f:
+        script = f.read()
+    for student, source in {"d_copier": script + COPIER, "d_filler": script + FILLER,
+                            "d_slow": script + SLOW}.items():
+        os.makedirs(os.path.join(folder, student))
+        with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
+            f.write(source)
+    command = [sys.executable, os.path.join(repository, "exercises", "instructor.py"), "batch", folder,
+               "--exercises", "gae", "--out", out, "--jobs", "3", "--cpu-seconds", "20", "--case-seconds", "2",
+               "--seconds", "60", "--memory-gib", "2.5"]
+    environment = {key: value for key, value in os.environ.items() if key not in ("GRADER_SECRET", "TMPDIR")}
+    environment["GRADER_SECRET"] = SECRET
+    check = subprocess.run(["grep", "CapEff", "/proc/self/status"], capture_output=True, text=True,
+                           preexec_fn=like_docker)
+    assert not int(check.stdout.split()[1], 16) & (1 << CAP_SYS_ADMIN), check.stdout
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=repository, env=environment,
+                            preexec_fn=like_docker)
+    assert result.returncode == 0, result.stdout + result.stderr
+    results, reports = {}, {}
+    for student in ("d_copier", "d_filler", "d_slow"):
+        with open(os.path.join(out, f"{student}.json")) as f:
+            results[student] = json.load(f)
+        with open(os.path.join(out, f"{student}.txt")) as f:
+            reports[student] = f.read()
+    return {"results": results, "reports": reports}
+
+
+@AS_ROOT
+def test_without_namespaces_no_submission_reads_or_crowds_out_another(docker_graded):
+    """Root without CAP_SYS_ADMIN: no private /tmp, no namespaces. A submission that copies the classmate graded
+    beside it finds no copy it may read (0700 folders of the classmate's uid, in a folder no uid may list), and one
+    that fills the shared /tmp while the classmate is graded takes nothing from it (the grader's folders are not in
+    /tmp, its report's space is reserved): the honest classmate gets 40 of 40, the other two what zeros earn."""
+    results, reports = docker_graded["results"], docker_graded["reports"]
+    assert results["d_slow"]["points"] == EXERCISE_POINTS, reports["d_slow"][:3000]
+    assert results["d_copier"]["points"] == results["d_filler"]["points"] < EXERCISE_POINTS, reports["d_copier"][:3000]
