@@ -66,8 +66,9 @@ def lowered(which, soft, hard):
 
 def private_channel(results):
     """The result channel: results/out, opened as root in a folder only root may open (a student cannot swap it
-    for a link or a FIFO that the parent would then read); the parent made it and results/err. Descriptors 0 and 1 (the zygote's pipes: a child that
-    wrote there could speak for the zygote) go to /dev/null, 2 to results/err."""
+    for a link or a FIFO that the parent would then read); the parent made it and results/err. Descriptors 0
+    and 1 (the zygote's pipes: a child that wrote there could speak for the zygote) go to /dev/null, 2 to
+    results/err."""
     flags = os.O_WRONLY | os.O_NOFOLLOW  # made by the parent, with their space reserved
     out = os.open(os.path.join(results, "out"), flags)
     err = os.open(os.path.join(results, "err"), flags)

@@ -1067,7 +1067,7 @@ def test_a_function_weighs_the_same_however_many_copies():
     assert not both[-1].passed and both[-1].max_points == 0
 
 
-# ---------------------------------------------------------------- root without CAP_SYS_ADMIN (a default Docker container)
+# ---------------------------------------------------------------- root without CAP_SYS_ADMIN (Docker's default)
 # An honest script that is slow to import (so that the two below run beside it), one that copies whatever other
 # submission's ppo_procgen.py it can read, and one that fills /tmp while the others are graded, then frees it.
 SLOW = "\nimport time as _time\n_time.sleep(4)\n"
