@@ -58,9 +58,14 @@ def bundle(tmp_path_factory):
 
 
 def run_bundle(bundle, source_text):
-    """Lay out /autograder in a folder every user may cross (as Gradescope's is), unpack the bundle into source/,
+    """Lay out /autograder in a folder every user may cross (as Gradescope's is), unpack the bundle into source/
+    (files 0644: the zip's modes are not applied),
     run its run_autograder as root; returns (results.json, the folder's root, stdout and stderr)."""
-    root = tempfile.mkdtemp(dir="/var/tmp")
+    from exercises import sandbox
+
+    # Not in /tmp, /var/tmp or /dev/shm, which the child sees as folders of its private /tmp: in the grader's
+    # folder (root's, 0711), a folder every user may cross, as Gradescope's /autograder is.
+    root = tempfile.mkdtemp(dir=sandbox.work_folder(), prefix="autograder_test_")
     try:
         os.chmod(root, 0o755)
         with zipfile.ZipFile(bundle) as archive:
@@ -105,6 +110,9 @@ def test_the_bundle_holds_what_gradescope_runs(bundle):
     with zipfile.ZipFile(bundle) as archive:
         names = set(archive.namelist())
         setup = archive.read("setup.sh").decode()
+        modes = {info.filename: (info.external_attr >> 16) & 0o777 for info in archive.infolist()}
+    assert modes["secret"] == modes["exercises/references.py"] == 0o600  # root's alone once unpacked
+    assert modes["run_autograder"] & 0o100 and not modes["run_autograder"] & 0o077
     assert {"setup.sh", "run_autograder", "secret", "exercises/instructor.py", "exercises/references.py",
             "ppo_procgen.py", "requirements.txt"} <= names
     assert "download.pytorch.org/whl/cpu" in setup and "requirements.txt" in setup
@@ -118,7 +126,8 @@ def test_an_honest_and_a_hostile_wrong_submission_through_run_autograder(bundle)
     check_schema(hostile)
     text = json.dumps(hostile)
     assert "HOSTILE" in text, log[-3000:]  # it ran and told what it found
-    assert SECRET not in text and "def gae" not in text and "WROTE" not in text and not forged
+    assert SECRET not in text and "def gae" not in text  # neither the secret nor the references read
+    assert "WROTE" not in text and not forged  # nothing written in results/
     assert 0 < hostile["score"] < EXERCISE_POINTS  # its other functions (the repository's) still score
     failed = [test for test in hostile["tests"] if test["score"] < test["max_score"]]
     assert failed and all(test["name"].startswith("gae: compute_gae") for test in failed)
