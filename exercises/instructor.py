@@ -807,10 +807,13 @@ def warn_if_open(*folders, repository=None, secret_file=None):
 GRADESCOPE_ROOT = "/autograder"  # Gradescope's folder; $AUTOGRADER_ROOT overrides it (a test lays one out)
 GRADESCOPE_PYTHON = "/opt/course_grader/venv/bin/python"  # setup.sh's virtual environment; $AUTOGRADER_PYTHON
 SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu): a virtual environment with
-# the pinned CPU build of torch and the repository's requirements, then the bundle made readable by root only.
+# Gradescope runs this once, as root, when it builds the autograder's image: a virtual environment with the pinned
+# CPU build of torch and the repository's requirements, then the bundle made readable by root only. Choose the
+# Ubuntu 24.04 base image (Python 3.12): requirements.txt installs on CPython 3.11 to 3.14, not 22.04's 3.10.
 set -euo pipefail
+apt-get update
 apt-get install -y python3 python3-venv python3-pip
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11) and "setup.sh: Python >= 3.11 (Ubuntu 24.04) needed")'
 python3 -m venv /opt/course_grader/venv
 /opt/course_grader/venv/bin/pip install --no-cache-dir torch=={torch} --index-url https://download.pytorch.org/whl/cpu
 /opt/course_grader/venv/bin/pip install --no-cache-dir -r /autograder/source/requirements.txt
