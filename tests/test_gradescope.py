@@ -116,6 +116,10 @@ def test_the_bundle_holds_what_gradescope_runs(bundle):
     assert {"setup.sh", "run_autograder", "secret", "exercises/instructor.py", "exercises/references.py",
             "ppo_procgen.py", "requirements.txt"} <= names
     assert "download.pytorch.org/whl/cpu" in setup and "requirements.txt" in setup
+    with zipfile.ZipFile(bundle) as archive:
+        for name in ("setup.sh", "run_autograder"):  # both parse as bash
+            checked = subprocess.run(["bash", "-n"], input=archive.read(name), capture_output=True)
+            assert checked.returncode == 0, (name, checked.stderr)
 
 
 def test_an_honest_and_a_hostile_wrong_submission_through_run_autograder(bundle):
