@@ -168,9 +168,13 @@ class Result:
     max_points: float
     message: str = ""
     hidden: bool = False
+    function: str = ""  # the graded function (the instructor weighs each one a fixed share of the exercise)
+    copy: str = ""  # the file of the copy of `function` this case ran on ("" for a check of all copies)
 
     @property
     def passed(self):
+        if self.max_points == 0:  # a check worth no points (the instructor's note): it fails with its message
+            return not self.message
         return self.points >= self.max_points
 
 
@@ -968,12 +972,13 @@ def judge_exercise(plan, observations):
         for function, cases in functions.items():
             observed = list(observations.get(name, {}).get(function, []))
             observed += [None] * (len(cases) - len(observed))
-            results += judge_cases(cases, observed[:len(cases)], where=f" [{name}]")
+            judged = judge_cases(cases, observed[:len(cases)], where=f" [{name}]")
+            results += [dataclasses.replace(r, function=function, copy=name) for r in judged]
             holders.setdefault(function, {})[name] = observed
     for function, copies in holders.items():
         if len(copies) > 1 and function != "auxiliary_phase":
             cases = next(functions[function] for functions in plan.values() if function in functions)
-            results.append(copies_agree(function, copies, cases))
+            results.append(dataclasses.replace(copies_agree(function, copies, cases), function=function))
     return results
 
 

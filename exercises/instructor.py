@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import stat
 import sys
 import time
@@ -484,11 +485,24 @@ def phase_case(name, inputs, checks, hint, variants=(), hidden=False):
     return Case("auxiliary_phase", name, inputs, expected, mistakes=mistakes, hidden=hidden, kind="phase")
 
 
-def phase_cases(seed=None):
-    """The phase's cases: public with seed None, else hidden ones drawn from the seed."""
+def phase_cases(seed=None, disguise_rng=None):
+    """The phase's cases: public with seed None, else hidden ones drawn from the seed. With `disguise_rng`, the
+    public cases' value targets, initial weights and leftover gradients are disguised (disguise) and their
+    expectations recomputed: the frames' pixels stay, they index the rollouts."""
     rng = np.random.default_rng(6 if seed is None else seed)
     hidden = seed is not None
     prefix = "hidden: " if hidden else ""
+    suffix = " (inputs rescaled by ~1 %)" if disguise_rng is not None else ""
+
+    def made(name, inputs, checks, hint, variants=()):
+        if disguise_rng is not None:
+            inputs = dict(inputs)
+            for key in ("targets", "init", "leftover"):
+                if isinstance(inputs.get(key), dict):
+                    inputs[key] = {part: disguise(array, disguise_rng) for part, array in inputs[key].items()}
+                elif key in inputs:
+                    inputs[key] = disguise(inputs[key], disguise_rng)
+        return phase_case(prefix + name + suffix, inputs, checks, hint, variants, hidden=hidden)
 
     def buffer(rollouts, steps=2):
         return dict(features=rng.integers(0, 256, (rollouts, steps, 3)).astype(float),
@@ -504,7 +518,7 @@ def phase_cases(seed=None):
     with_nan = buffer(4)
     with_nan["targets"][1, 0] = np.nan
     cases = [
-        phase_case(prefix + "lr 0: E_aux = 2 epochs of 2 minibatches of 2 rollouts: 4 steps, KL 0, the buffer's "
+        made("lr 0: E_aux = 2 epochs of 2 minibatches of 2 rollouts: 4 steps, KL 0, the buffer's "
                    "losses", dict(four, args=settings(e_aux=2, num_aux_rollouts=2), lr=0.0),
                    {"steps": 4, "why_steps": "2 epochs x 2 minibatches", "minibatch": 2, "stats": True},
                    "with a learning rate of 0 nothing moves, so every minibatch's KL(pi_old || pi) is exactly 0 when "
@@ -512,35 +526,35 @@ def phase_cases(seed=None):
                    "rollouts (the same shuffled indices as its frames); the returned means are the means of "
                    "ppg_aux_loss's parts over the minibatches; one optimizer step per minibatch of "
                    "aux_rollouts_per_rank(args) rollouts."),
-        phase_case(prefix + "the default minibatch size: num_aux_rollouts None and 32 games give 2 rollouts",
+        made("the default minibatch size: num_aux_rollouts None and 32 games give 2 rollouts",
                    dict(four, args=settings(num_envs=32, num_aux_rollouts=None), lr=0.0),
                    {"steps": 2, "why_steps": "1 epoch x 2 minibatches of 2 rollouts", "minibatch": 2},
                    "num_aux_rollouts is None by default (the PPG code's 4 per 64 games): the minibatch size in "
                    "rollouts is aux_rollouts_per_rank(args), never args.num_aux_rollouts itself."),
-        phase_case(prefix + "a new shuffle in each epoch: 8 rollouts, minibatches of 2, 3 epochs",
+        made("a new shuffle in each epoch: 8 rollouts, minibatches of 2, 3 epochs",
                    dict(buffer(8), args=settings(e_aux=3, num_aux_rollouts=2), lr=0.0),
                    {"steps": 12, "why_steps": "3 epochs x 4 minibatches", "shuffle": [8, 4], "epochs": 3},
                    "each epoch draws a new random order of the R rollouts (torch.randperm(R) per epoch) and splits "
                    "it into minibatches of whole rollouts."),
-        phase_case(prefix + "E_aux = 3 on one minibatch of all 4 rollouts, SGD lr 0.5, starting with the policy "
+        made("E_aux = 3 on one minibatch of all 4 rollouts, SGD lr 0.5, starting with the policy "
                    "phase's leftover gradients in .grad", moving, {"weights": True},
                    "Algorithm 1 with zeroed gradients before each minibatch (the first included), pi_old stored "
                    "once, E_aux epochs, each network's gradient clipped on its own.",
                    ("zero_grad after the step", "no zero_grad", "pi_old each epoch", "one epoch")),
-        phase_case(prefix + "its statistics: each part averaged over the minibatches of ALL 3 epochs", moving,
+        made("its statistics: each part averaged over the minibatches of ALL 3 epochs", moving,
                    {"stats": True}, "accumulate ppg_aux_loss's three parts (detached) over every minibatch of every "
                    "epoch and divide by the number of steps; not the last epoch's, not the last minibatch's."),
-        phase_case(prefix + "max_grad_norm 0.01: each network's gradient clipped on its own",
+        made("max_grad_norm 0.01: each network's gradient clipped on its own",
                    dict(four, args=settings(max_grad_norm=0.01), lr=0.5), {"weights": True},
                    "clip_grad_norms(optimizer, args.max_grad_norm) before each step: it clips theta_pi's and "
                    "theta_V's gradients each on its own.", ("no clipping", "clipped over all parameters together")),
-        phase_case(prefix + "n_aux_grad_accum = 2 on a minibatch of 3 rollouts: chunks of 2 and 1, one step",
+        made("n_aux_grad_accum = 2 on a minibatch of 3 rollouts: chunks of 2 and 1, one step",
                    dict(buffer(3), args=settings(num_aux_rollouts=3, n_aux_grad_accum=2, e_aux=2), lr=0.5),
                    {"weights": True, "stats": True, "steps": 2, "why_steps": "2 epochs x 1 minibatch"},
                    "with n_aux_grad_accum chunks of UNEQUAL size, weigh each chunk's loss (and its statistics) by "
                    "len(chunk) / len(minibatch), not by 1 / n_aux_grad_accum: the accumulated gradient must be the "
                    "minibatch's mean gradient; one optimizer step per minibatch."),
-        phase_case(prefix + "a NaN value target: FloatingPointError before any step changes the weights",
+        made("a NaN value target: FloatingPointError before any step changes the weights",
                    dict(with_nan, args=settings(), lr=0.5), {"raises": True},
                    "check the gradient norms that clip_grad_norms returns and raise FloatingPointError when they are "
                    "not finite, before optimizer.step() (as ppo_update does)."),
@@ -598,12 +612,13 @@ def disguise(value, rng):
 def disguised_public(function, seed):
     """The public cases with their inputs disguised from the seed and their answers recomputed: a submission that
     looks up the shipped answers (exercises/cases/*.json) gains nothing, an honest one passes as on the shipped
-    cases. The phase's cases are procedures on a tiny agent whose pixels index its rollouts: they stay as shipped."""
-    public = PUBLIC[function]()
-    if function == "auxiliary_phase":
-        return public
+    cases. The phase's cases are procedures on a tiny agent whose pixels index its rollouts: their value targets,
+    initial weights and leftover gradients are disguised (phase_cases)."""
     digest = hashlib.sha256(f"{seed}:public:{function}".encode()).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    if function == "auxiliary_phase":
+        return phase_cases(disguise_rng=rng)
+    public = PUBLIC[function]()
     return [make_case(function, f"{case.name} (inputs rescaled by ~1 %)",
                       {key: disguise(value, rng) for key, value in case.inputs.items()}, tuple(case.grads))
             for case in public]
@@ -735,7 +750,8 @@ def batch(folder, exercises, secret, out, limits=None, jobs=2, secret_file=None)
     columns = list(EXERCISES)
     stems = report_names(students)
     for student, (result, text) in zip(students, graded):
-        grading.write_atomic(os.path.join(out, f"{stems[student]}.txt"), text[:REPORT_CHARS] + "\n")
+        grading.write_atomic(os.path.join(out, f"{stems[student]}.txt"),
+                            sandbox.printable_text(text[:REPORT_CHARS]) + "\n")
         grading.write_atomic(os.path.join(out, f"{stems[student]}.json"), json.dumps(result, indent=1))
         row = {"student": spreadsheet_cell(sandbox.display(student)), "points": result["points"],
                "max_points": result["max_points"], "seconds": result["seconds"]}
@@ -787,6 +803,122 @@ def warn_if_open(*folders, repository=None, secret_file=None):
                   f"chmod -R o-rwx {fix}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- Gradescope: the bundle and its run
+GRADESCOPE_ROOT = "/autograder"  # Gradescope's folder; $AUTOGRADER_ROOT overrides it (a test lays one out)
+GRADESCOPE_PYTHON = "/opt/course_grader/venv/bin/python"  # setup.sh's virtual environment; $AUTOGRADER_PYTHON
+SETUP_SH = """#!/usr/bin/env bash
+# Gradescope runs this once, as root, when it builds the autograder's image: a virtual environment with the pinned
+# CPU build of torch and the repository's requirements, then the bundle made readable by root only. Choose the
+# Ubuntu 24.04 base image (Python 3.12): requirements.txt installs on CPython 3.11 to 3.14, not 22.04's 3.10.
+set -euo pipefail
+apt-get update
+apt-get install -y python3 python3-venv python3-pip
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11) and "setup.sh: Python >= 3.11 (Ubuntu 24.04) needed")'
+python3 -m venv /opt/course_grader/venv
+/opt/course_grader/venv/bin/pip install --no-cache-dir torch=={torch} --index-url https://download.pytorch.org/whl/cpu
+/opt/course_grader/venv/bin/pip install --no-cache-dir -r /autograder/source/requirements.txt
+chmod -R go-rwx /autograder/source
+"""
+RUN_AUTOGRADER = """#!/usr/bin/env bash
+# Gradescope runs this as root for each submission: the grader (in source/, readable by root only) grades
+# submission/ as an unprivileged user of its own per submission and writes results/results.json.
+ROOT="${{AUTOGRADER_ROOT:-/autograder}}"
+chmod -R go-rwx "$ROOT/source"
+exec "${{AUTOGRADER_PYTHON:-{python}}}" -I "$ROOT/source/exercises/instructor.py" gradescope-run {exercise} \\
+    --secret-file "$ROOT/source/secret"
+"""
+
+
+def pinned_torch():
+    """torch's version as requirements.txt pins it."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        for line in f:
+            if line.startswith("torch=="):
+                return line.split("==", 1)[1].split(";")[0].strip()
+    raise RuntimeError("requirements.txt pins no torch")
+
+
+def gradescope_bundle(exercise, out, secret):
+    """autograder.zip for Gradescope: setup.sh and run_autograder at its root, source/'s files beside them
+    (Gradescope unpacks the zip into /autograder/source): the repository's four scripts, requirements.txt,
+    exercises/ (the grader, the references, the public cases) and the secret, each readable by root only."""
+    import zipfile
+    members = [name for name in SCRIPTS] + ["requirements.txt"]
+    for directory, folders, names in os.walk(HERE):
+        folders[:] = [folder for folder in folders if folder != "__pycache__"]
+        for name in names:
+            if name.endswith((".py", ".json")):
+                members.append(os.path.relpath(os.path.join(directory, name), ROOT))
+    with zipfile.ZipFile(out + ".part", "w", zipfile.ZIP_DEFLATED) as bundle:
+        for name, text, mode in (("setup.sh", SETUP_SH.format(torch=pinned_torch()), 0o700),
+                                 ("run_autograder", RUN_AUTOGRADER.format(python=GRADESCOPE_PYTHON,
+                                                                          exercise=exercise), 0o700),
+                                 ("secret", secret + "\n", 0o600)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFREG | mode) << 16
+            bundle.writestr(info, text)
+        for member in sorted(members):
+            info = zipfile.ZipInfo.from_file(os.path.join(ROOT, member), member)
+            info.external_attr = (stat.S_IFREG | 0o600) << 16
+            with open(os.path.join(ROOT, member), "rb") as f:
+                bundle.writestr(info, f.read(), zipfile.ZIP_DEFLATED)
+    os.chmod(out + ".part", 0o600)
+    os.replace(out + ".part", out)
+
+
+def gradescope_results(result, text):
+    """Gradescope's results.json (gradescope-autograders.readthedocs.io, "Autograder Specifications"): the score,
+    the report as the submission's output, one test per case (hidden cases shown once grades are published)."""
+    tests = []
+    for exercise, part in result["exercises"].items():
+        for case in part["cases"]:
+            tests.append({"name": sandbox.printable_text(f"{exercise}: {case['item']}"),
+                          "score": round(case["points"], 4), "max_score": round(case["max_points"], 4),
+                          "output": sandbox.printable_text(case["message"][:20000]),
+                          "visibility": "after_published" if case["hidden"] else "visible"})
+    return {"score": result["points"], "output": sandbox.printable_text(text[:REPORT_CHARS]),
+            "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
+
+
+def gradescope_student(root):
+    """The seed's name: the first submitter's email in submission_metadata.json (Gradescope writes it; the
+    student cannot), or "submission" without one."""
+    try:
+        with open(os.path.join(root, "submission_metadata.json")) as f:
+            users = json.load(f).get("users") or []
+        email = users[0].get("email")
+        return email if isinstance(email, str) and email else "submission"
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return "submission"
+
+
+def gradescope_run(exercise, secret, limits):
+    """What run_autograder runs: grade the submission, write results.json; any failure is a 0 with its reason.
+    The results folder is made root's and closed to others first: a submission cannot write results.json."""
+    root = os.environ.get("AUTOGRADER_ROOT", GRADESCOPE_ROOT)
+    results = os.path.join(root, "results")
+    os.makedirs(results, exist_ok=True)
+    os.chown(results, 0, 0)
+    os.chmod(results, 0o755)
+    student = gradescope_student(root)
+    try:
+        descriptor = os.open(os.path.join(root, "submission"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            scripts, refused = sandbox.read_submission(descriptor, SCRIPTS)
+        finally:
+            os.close(descriptor)
+        if not scripts and not refused:
+            raise sandbox.Refused(f"the submission holds none of {', '.join(SCRIPTS)}")
+        result, text = grade_submission(scripts, refused, [exercise], student, secret, limits)
+    except Exception as error:  # a crash of the grader's: a 0 with its reason, never a missing results.json
+        reason = f"not graded: {type(error).__name__}: {str(error)[:2000]}"
+        result, text = failed_result(student, [], [exercise], reason)
+    grading.write_atomic(os.path.join(results, "results.json"), json.dumps(gradescope_results(result, text),
+                                                                           indent=1))
+    print(sandbox.printable_text(text[:REPORT_CHARS]))
+    return 0
+
+
 # ---------------------------------------------------------------- the secret: never on a command line
 SECRET_HELP = ("a file holding the secret mixed into each submission's seed (its first line; - for standard "
                "input), so that students cannot reproduce the hidden cases; default: $GRADER_SECRET. Never on a "
@@ -822,8 +954,16 @@ def main(argv=None):
     many.add_argument("--out", default="grades", help="folder for the reports, JSON results and grades.csv")
     many.add_argument("--jobs", type=int, default=2, help="submissions graded at once (one child process each)")
     commands.add_parser("make-cases", help="rewrite the public cases (exercises/cases/*.json) from the references")
+    bundle = commands.add_parser("gradescope", help="build Gradescope's autograder.zip for one exercise")
+    bundle.add_argument("exercise", choices=sorted(EXERCISES))
+    bundle.add_argument("--out", default="autograder.zip", help="the zip to write")
+    run = commands.add_parser("gradescope-run", help="what the bundle's run_autograder runs (as root, on "
+                              "$AUTOGRADER_ROOT, default /autograder)")
+    run.add_argument("exercise", choices=sorted(EXERCISES))
     defaults = sandbox.Limits()
-    for command in (one, many):
+    bundle.add_argument("--secret-file", default=None, help="the secret baked into the bundle (its first line); "
+                        "default: a new random one, printed once")
+    for command in (one, many, run):
         command.add_argument("--secret-file", default=None, help=SECRET_HELP)
         command.add_argument("--secret", default=None, help=argparse.SUPPRESS)  # refused below, with the reason
         command.add_argument("--unsafe-same-user", action="store_true",
@@ -841,6 +981,13 @@ def main(argv=None):
         make_public_cases()
         print(f"wrote {grading.CASES_DIR}")
         return 0
+    if options.command == "gradescope":
+        secret = read_secret(options.secret_file) if options.secret_file else secrets.token_hex(16)
+        if not options.secret_file:
+            print(f"the bundle's secret (keep it to grade again outside Gradescope): {secret}")
+        gradescope_bundle(options.exercise, options.out, secret)
+        print(f"wrote {options.out}: upload it as the assignment's autograder (docs/assignments.md)")
+        return 0
     if options.secret is not None:
         parser.error("--secret: a secret on the command line is readable by every process on the machine "
                      "(/proc/PID/cmdline), the submissions' included; use --secret-file FILE (- for standard input)")
@@ -850,6 +997,10 @@ def main(argv=None):
     if os.geteuid() != 0:
         print(f"warning: --unsafe-same-user: {SAME_USER}", file=sys.stderr)
     limits = limits_of(parser, options)
+    if options.command == "gradescope-run":
+        if os.geteuid() != 0:
+            parser.error("gradescope-run: run it as root (Gradescope runs run_autograder as root)")
+        return gradescope_run(options.exercise, read_secret(options.secret_file), limits)
     if options.command == "batch":
         unknown = [e for e in (options.exercises or "").split(",") if e and e not in EXERCISES]
         if unknown:
@@ -885,7 +1036,7 @@ def main(argv=None):
             parser.error(f"files: {path} does not exist")
     student = options.student or os.path.basename(os.path.dirname(os.path.abspath(options.files[0])))
     result, text = grade_submission(scripts, refused, [options.exercise], student, secret, limits)
-    print(text[:REPORT_CHARS])
+    print(sandbox.printable_text(text[:REPORT_CHARS]))
     if options.json:
         grading.write_atomic(options.json, json.dumps(result, indent=1))
     return 0 if result["points"] == result["max_points"] else 1

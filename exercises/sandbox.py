@@ -27,7 +27,9 @@ count): only values it could not compute without solving the exercise are out of
 no uid, cgroup or namespace of its own (instructor.py refuses to run then, unless told otherwise)."""
 import ast
 import dataclasses
+import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import json
@@ -50,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHILD_FILES = ("sandbox_child.py", "grading.py", "texts.py")
 SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py")
-UID_BASE = 1_500_000_000  # as root, submission i of grader process p runs as UID_BASE + (p % 1000) * 100000 + i
+UID_BASE = 1_500_000_000  # as root, submission i of a grader holding uid range r runs as UID_BASE + r * 100000 + i
 ARRAY_DTYPES = {"float64", "float32", "int64", "int32", "bool"}  # what an array from the child may be
 
 
@@ -145,12 +147,38 @@ def read_submission(folder_descriptor, names):
 
 
 def display(name):
-    """A file or folder name of any bytes as printable text: what is not UTF-8 as \\xNN, control characters
-    escaped (a name is shown in reports, JSON and CSV, and used for the report's own file names)."""
+    """A file or folder name of any bytes as printable text, one text per name: a byte that is not UTF-8 as \\xNN,
+    a control character escaped (a newline as \\n), and a backslash doubled, so that a folder named "a\\n" (a
+    backslash and an n) and one named "a" + a newline never read the same (a name is shown in reports, JSON and
+    CSV, and used for the report's own file names)."""
     if isinstance(name, str):
         name = os.fsencode(name)
-    text = name.decode("utf-8", errors="backslashreplace")
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    shown = []
+    for character in name.decode("utf-8", errors="surrogateescape"):
+        if "\udc80" <= character <= "\udcff":  # a byte that is not UTF-8
+            shown.append(f"\\x{ord(character) - 0xdc00:02x}")
+        elif character == "\\":
+            shown.append("\\\\")
+        elif character.isprintable():
+            shown.append(character)
+        else:
+            shown.append(character.encode("unicode_escape").decode("ascii"))
+    return "".join(shown)
+
+
+def printable_text(text):
+    """A report's text that is safe to `cat` in a terminal: every character that is not printable, except a line's
+    end and a tab, escaped (ESC, BEL, a carriage return, C1 controls, bidirectional overrides): a message of the
+    student's can neither move the cursor, nor write a line over another, nor set the clipboard (OSC 52)."""
+    if text.isprintable():
+        return text
+    shown = []
+    for character in text:
+        if character.isprintable() or character in "\n\t":
+            shown.append(character)
+        else:
+            shown.append(character.encode("unicode_escape").decode("ascii"))
+    return "".join(shown)
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,21 +240,37 @@ def child_request(files, requests, limits, uid, preload, cgroups):
                          for (file, function), cases in requests.items()]}
 
 
-def shared_temporary():
-    """Where the folders that the children use go: as root /tmp, which every uid may cross (the instructor's
-    $TMPDIR may be private); otherwise the usual temporary folder."""
-    return "/tmp" if os.geteuid() == 0 else None
+WORK = "/var/lib/course_grader"  # as root: the grader's folders and its uid ranges' locks (work_folder)
+
+
+def work_folder():
+    """Where the folders that the parent and the children use go. As root: WORK, root's own, mode 0711 (every uid
+    may cross it to its own folder, none may list or write it), outside every folder a submission may write: a
+    child that fills /tmp, /var/tmp or /dev/shm (where they are file systems of their own) takes no space from
+    the copies and reports of the submissions graded beside it. Otherwise None (the usual temporary folder)."""
+    if os.geteuid() != 0:
+        return None
+    os.makedirs(WORK, mode=0o711, exist_ok=True)
+    info = os.lstat(WORK)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+        raise RuntimeError(f"{WORK} is not a folder of root's: the grader does not use it")
+    os.chmod(WORK, 0o711)
+    return WORK
 
 
 def prepare_folder(scripts, uid):
     """A fresh folder for one submission, (outer, home): home/submission/ holds the bytes the parent read, nothing
-    else. As root, home is the child's uid's own and the outer folder root's, which the child may cross but not
-    change: it cannot move its home away (or put a link in its place) before the parent removes it."""
-    outer = tempfile.mkdtemp(prefix="sandbox_", dir=shared_temporary())
+    else, readable by the child's uid alone (folders 0700, files 0600): no other submission, nor any other user
+    of the machine, reads the copy while it is graded. As root, home is the child's uid's own and the outer folder
+    root's, which the child may cross but not change: it cannot move its home away (or put a link in its place)
+    before the parent removes it."""
+    outer = tempfile.mkdtemp(prefix="sandbox_", dir=work_folder())
     home = os.path.join(outer, "home")
-    os.makedirs(os.path.join(home, "submission"))
+    os.makedirs(os.path.join(home, "submission"), mode=0o700)
+    os.chmod(home, 0o700)
     for name, data in scripts.items():
-        with open(os.path.join(home, "submission", name), "xb") as f:
+        path = os.path.join(home, "submission", name)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(data)
     if uid is not None:
         os.chmod(outer, 0o711)
@@ -235,6 +279,22 @@ def prepare_folder(scripts, uid):
             for name in names:
                 os.chown(os.path.join(directory, name), uid, uid)
     return outer, home
+
+
+def results_folder(limits):
+    """The folder of a child's result channel (root's own, 0700), with results/out and results/err made here and
+    their space reserved (fallocate, output_bytes each): a submission that fills the disk while this one is graded
+    cannot make its report fail ("No space left on device")."""
+    private = tempfile.mkdtemp(prefix="sandbox_results_", dir=work_folder())
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name in ("out", "err"):
+        descriptor = os.open(os.path.join(private, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o600)
+        try:  # FALLOC_FL_KEEP_SIZE: the blocks are the file's, its size stays 0; where unsupported, no reserve
+            libc.fallocate(descriptor, 1, ctypes.c_long(0), ctypes.c_long(limits.output_bytes))
+        finally:
+            os.close(descriptor)
+    return private
 
 
 CGROUP = "/sys/fs/cgroup"
@@ -353,8 +413,8 @@ IPC_KINDS = {"shm": "-m", "msg": "-q", "sem": "-s"}  # /proc/sysvipc/KIND -> ipc
 
 def sweep(uid):
     """As root, after every process of `uid` has been killed: remove what it left in the folders every uid may write
-    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory) and its System V shared memory,
-    message queues and semaphores, so that nothing of a submission outlives it."""
+    (/tmp, /var/tmp, /dev/shm, /run/lock: files, folders, POSIX shared memory), its System V shared memory,
+    message queues and semaphores, and its kernel keyrings' keys, so that nothing of a submission outlives it."""
     for folder in SHARED_FOLDERS:
         try:
             entries = list(os.scandir(folder))
@@ -375,12 +435,44 @@ def sweep(uid):
         for row in rows:
             if len(row) == len(header) and int(row[header.index("uid")]) == uid:
                 subprocess.run(["ipcrm", flag, row[1]], capture_output=True, timeout=30)
+    clear_keys(uid)
+
+
+KEYCTL = {"x86_64": 250, "aarch64": 219}  # keyctl's system call number per machine
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def clear_own_keys():
+    """In a process of the submission's uid (subprocess's preexec_fn, after it took the uid): empty its persistent
+    keyring (KEYCTL_GET_PERSISTENT 22, linked into the user keyring -4) and its user and user-session keyrings
+    (-4, -5: KEYCTL_CLEAR 7)."""
+    number = KEYCTL.get(os.uname().machine)
+    if number is None:
+        return
+    persistent = LIBC.syscall(number, 22, ctypes.c_long(-1), ctypes.c_long(-4))
+    if persistent > 0:
+        LIBC.syscall(number, 7, ctypes.c_long(persistent))
+    for ring in (-4, -5):
+        LIBC.syscall(number, 7, ctypes.c_long(ring))
+
+
+def clear_keys(uid):
+    """Empty the kernel keyrings that outlive a uid's processes: a key a submission added there is gone before
+    another process of that uid runs. Only for a uid that has keys (/proc/key-users lists it)."""
+    try:
+        with open("/proc/key-users") as f:
+            users = {line.split(":", 1)[0].strip() for line in f}
+    except OSError:
+        return
+    if str(uid) in users:
+        subprocess.run(["true"], user=uid, group=uid, extra_groups=[], preexec_fn=clear_own_keys,
+                       capture_output=True, timeout=30)
 
 
 def engine_folder():
     """The zygote's folder: grader/ with the public engine only (what the students' bundle holds), readable by
     all (the children, under their own uids, read its sources for their tracebacks), writable by this user only."""
-    folder = tempfile.mkdtemp(prefix="sandbox_zygote_", dir=shared_temporary())
+    folder = tempfile.mkdtemp(prefix="sandbox_zygote_", dir=work_folder())
     os.makedirs(os.path.join(folder, "grader"))
     for name in CHILD_FILES:
         shutil.copy(os.path.join(HERE, name), os.path.join(folder, "grader", name))
@@ -421,7 +513,7 @@ class Zygote:
         if os.geteuid() == 0 and os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
             cgroup_v2_base()  # before the zygote starts: the grader's cgroup must hold only the grader's commands
         self.folder = engine_folder()
-        self.private = tempfile.mkdtemp(prefix="sandbox_zygote_err_")
+        self.private = tempfile.mkdtemp(prefix="sandbox_zygote_err_", dir=work_folder())
         self.events = {}  # job number -> {"pid": p, "returncode": r} as the zygote reports them
         self.ended = None  # why the zygote is gone, once it is
         self.condition = threading.Condition()
@@ -524,7 +616,7 @@ def run_child(scripts, requests, limits, uid, zygote):
     may open, read after the child has ended; then every process of its uid is killed and, as root, what it left
     in the shared temporary folders and System V IPC is removed."""
     outer, home = prepare_folder(scripts, uid)
-    private = tempfile.mkdtemp(prefix="sandbox_results_")  # root's own: the child opens its files before dropping
+    private = results_folder(limits)  # root's own: the child opens its files before dropping
     cgroups = cgroup_folders(uid, limits) if uid is not None else []
     try:
         request = child_request(sorted(scripts), requests, limits, uid, preload_list(scripts), cgroups)
@@ -709,6 +801,7 @@ def grade(scripts, refused, exercises, cases_for, limits, uid=None, zygote=None)
     elif requests:
         lines, ended = run_child(scripts, requests, limits, uid, zygote)
     observations, import_errors = read_report(lines, planned)
+    claims = unverified_changes(observations)
     not_run = dict(refused)
     for file, record in import_errors.items():
         not_run[file] = f"{file} does not import:\n{import_failure(record)}"
@@ -724,34 +817,108 @@ def grade(scripts, refused, exercises, cases_for, limits, uid=None, zygote=None)
         if plan is None:
             graded[exercise] = grading.nothing_defines(exercise, [*scripts, *refused])
         else:
-            graded[exercise] = grading.judge_exercise(plan, observations)
+            graded[exercise] = grading.judge_exercise(plan, observations) + change_notes(plan, claims)
     return graded, ended
 
 
+def unverified_changes(observations):
+    """{(file, function): the inputs that the child says the function changed in place}, each such claim taken out
+    of its observation: the child runs the student's code, whose module may rewrite the child's own check
+    (grading.unchanged) to say "unchanged", so the claim is not graded either way (the values are); it is shown as
+    a note. What a function changes in place shows in training, which the public grader runs."""
+    claims = {}
+    for file, functions in observations.items():
+        for function, slot in functions.items():
+            for observed in slot:
+                call = observed.get("float64") if isinstance(observed, dict) else None
+                if isinstance(call, dict) and call.get("changed"):
+                    claims.setdefault((file, function), set()).update(call["changed"])
+                    call["changed"] = []
+    return claims
+
+
+def change_notes(plan, claims):
+    """A note (worth no points) per function of the plan whose child said it changed an input in place."""
+    notes = []
+    for (file, function), names in sorted(claims.items()):
+        if function in plan.get(file, {}):
+            notes.append(grading.Result(
+                f"{function} [{file}]: its inputs are left as they were", 0.0, 0.0,
+                f"the submission's process reports that {function} changed {', '.join(sorted(names))} in place.\n"
+                "hint: a caller still needs them (train logs and reuses them). Build new tensors instead of "
+                "x += ..., x[i] = ... or x.clamp_(...).\n(not graded: a process that runs the submission's code "
+                "can say anything about its own side effects; the values it returns are graded)",
+                function=function))
+    return notes
+
+
 def weighted(results, points, hidden_share=0.5):
-    """The results rescaled to `points` in all: the hidden cases share `hidden_share` of them (at least half: the
-    public cases are the student's feedback, their answers ship with the bundle), the others the rest, each case
-    an equal part of its share. Any failure keeps the same maximum."""
-    public = [r for r in results if not r.hidden]
-    hidden = [r for r in results if r.hidden]
-    if not hidden or not public:
-        shares = [(results, points)]
-    else:
-        shares = [(public, points * (1 - hidden_share)), (hidden, points * hidden_share)]
+    """The results rescaled to `points` in all. Each graded function weighs what its cases in ONE copy weigh,
+    however many copies of it a submission hands in (a second file with a right copy neither adds nor dilutes):
+    the hidden cases of one copy of every function share `hidden_share` of the points (at least half: the public
+    cases are the student's feedback, their answers ship with the bundle), the public ones the rest, each such
+    case an equal part; a function's part is split evenly among its copies. A note (a result of a function with no
+    file: the copies' agreement, a claim the grader cannot verify) is worth nothing; it fails with its message.
+    Any failure keeps the same maximum."""
+    copies = {}
+    for result in results:
+        if result.copy:
+            copies.setdefault(result.function, set()).add(result.copy)
+
+    def is_note(result):
+        return bool(result.function) and not result.copy
+
+    one_copy = [r for r in results if not is_note(r) and (not r.copy or r.copy == min(copies[r.function]))]
+    public = sum(1 for r in one_copy if not r.hidden)
+    hidden = len(one_copy) - public
     scaled = []
-    for group, share in shares:
-        for result in group:
-            part = share / len(group)
-            earned = part * result.points / result.max_points if result.max_points else 0.0
-            scaled.append(dataclasses.replace(result, points=earned, max_points=part))
+    for result in results:
+        if is_note(result):
+            scaled.append(dataclasses.replace(result, points=0.0, max_points=0.0))
+            continue
+        if not hidden or not public:
+            unit = points / len(one_copy)
+        elif result.hidden:
+            unit = points * hidden_share / hidden
+        else:
+            unit = points * (1 - hidden_share) / public
+        part = unit / len(copies.get(result.function, [result.copy]))
+        earned = part * result.points / result.max_points if result.max_points else 0.0
+        scaled.append(dataclasses.replace(result, points=earned, max_points=part))
     return scaled
 
 
+SLOTS = 1000  # uid ranges: a grader process holds one for its lifetime
+HELD = {}  # {"slot": the range this process holds, "descriptor": its lock's}
+HOLDING = threading.Lock()
+
+
+def held_slot():
+    """The uid range this grader process holds: the first of SLOTS, from its pid on, whose lock file (in WORK) no
+    other process holds (flock: the kernel releases it when its holder exits, however it ends)."""
+    with HOLDING:
+        if "slot" not in HELD:
+            start = os.getpid() % SLOTS
+            for offset in range(SLOTS):
+                slot = (start + offset) % SLOTS
+                descriptor = os.open(os.path.join(work_folder(), f"uids_{slot}.lock"),
+                                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(descriptor)
+                    continue
+                HELD.update(slot=slot, descriptor=descriptor)
+                break
+            else:
+                raise RuntimeError(f"all {SLOTS} uid ranges are held by graders running now")
+        return HELD["slot"]
+
+
 def uid_for(number):
-    """As root: the uid that submission number `number` runs as, unnamed and owning nothing else; two graders
-    running at once (two `grade` calls of an autograder) get different ones, so neither kills the other's child.
-    None: not root, no uid of its own."""
+    """As root: the uid that submission number `number` runs as, unnamed and owning nothing else. Each grader
+    process holds a range of uids of its own (held_slot), so two graders running at once (two `grade` calls of an
+    autograder) never share one, and neither kills the other's child. None: not root, no uid of its own."""
     if os.geteuid() != 0:
         return None
-    return UID_BASE + (os.getpid() % 1000) * 100_000 + number % 100_000
-
+    return UID_BASE + held_slot() * 100_000 + number % 100_000

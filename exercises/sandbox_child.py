@@ -40,24 +40,38 @@ POLL_SECONDS = 0.05  # how often the zygote looks for ended children while no jo
 def set_limits(limits):
     """Lower this process's own limits before any student code runs (unprivileged processes may lower them).
     The address space may grow by memory_bytes beyond what the zygote's imports reserved: torch's CUDA build
-    reserves about 3 GiB of address space at import, the CPU build 0.6 GiB, and neither is memory in use."""
+    reserves about 3 GiB of address space at import, the CPU build 0.6 GiB, and neither is memory in use. A limit
+    the grader inherited lower (an instructor's `ulimit -v`, a wrapper's cap) stays: no process may raise its hard
+    limit, so each is at most what it is already."""
     reserved = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    for name, value in (("RLIMIT_AS", reserved + limits["memory_bytes"]), ("RLIMIT_FSIZE", limits["output_bytes"]),
-                        ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_CORE", 0)):
+    cpu = int(limits["cpu_seconds"])
+    for name, value, hard in (("RLIMIT_AS", reserved + limits["memory_bytes"], None),
+                              ("RLIMIT_FSIZE", limits["output_bytes"], None),
+                              ("RLIMIT_NPROC", limits["processes"], None), ("RLIMIT_CORE", 0, None),
+                              ("RLIMIT_CPU", cpu, cpu + 1)):  # SIGXCPU at the soft limit, SIGKILL a second later
         if value is None:  # no uid of its own: RLIMIT_NPROC would count all the user's processes
             continue
-        resource.setrlimit(getattr(resource, name), (value, value))
-    cpu = int(limits["cpu_seconds"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
+        resource.setrlimit(getattr(resource, name), lowered(getattr(resource, name), value,
+                                                              value if hard is None else hard))
+
+
+def lowered(which, soft, hard):
+    """(soft, hard) for limit `which`, neither above the hard limit this process has now."""
+    _, inherited = resource.getrlimit(which)
+    if inherited != resource.RLIM_INFINITY:
+        hard = min(hard, inherited)
+        soft = min(soft, hard)
+    return soft, hard
 
 
 def private_channel(results):
     """The result channel: results/out, opened as root in a folder only root may open (a student cannot swap it
-    for a link or a FIFO that the parent would then read). Descriptors 0 and 1 (the zygote's pipes: a child that
-    wrote there could speak for the zygote) go to /dev/null, 2 to results/err."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    out = os.open(os.path.join(results, "out"), flags, 0o600)
-    err = os.open(os.path.join(results, "err"), flags, 0o600)
+    for a link or a FIFO that the parent would then read); the parent made it and results/err. Descriptors 0
+    and 1 (the zygote's pipes: a child that wrote there could speak for the zygote) go to /dev/null, 2 to
+    results/err."""
+    flags = os.O_WRONLY | os.O_NOFOLLOW  # made by the parent, with their space reserved
+    out = os.open(os.path.join(results, "out"), flags)
+    err = os.open(os.path.join(results, "err"), flags)
     devnull = os.open(os.devnull, os.O_RDWR)
     for descriptor, target in ((0, devnull), (1, devnull), (2, err)):
         os.dup2(target, descriptor)
@@ -95,6 +109,55 @@ def drop_to(uid):
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+
+
+# Linux's seccomp constants (linux/seccomp.h, linux/filter.h, linux/audit.h) and the system calls that make
+# namespaces, per machine: {machine: (audit architecture, unshare, clone, clone3)}.
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+CLONE_NEWUSER = 0x10000000
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x45, 0x06
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class SockProgram(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def forbid_user_namespaces():
+    """A seccomp filter (what Docker's default profile does): unshare() and clone() with CLONE_NEWUSER fail with
+    EPERM, clone3() (whose flags a filter cannot read) with ENOSYS, so the C library falls back to clone(). In a
+    user namespace of its own a process may mount file systems (a tmpfs beyond its private /tmp's size) and
+    more; without one it may not. False where the machine or kernel has no such filter (the docs say what then)."""
+    machine = SECCOMP_ARCHES.get(os.uname().machine)
+    if machine is None:
+        return False
+    arch, unshare, clone, clone3 = machine
+    eperm, enosys = 1, 38
+    program = [
+        (BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (BPF_JEQ_K, 1, 0, arch),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  # another ABI (x32, i386 on x86_64): not filtered
+        (BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+        (BPF_JEQ_K, 0, 1, clone3),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | enosys),
+        (BPF_JEQ_K, 1, 0, unshare),
+        (BPF_JEQ_K, 0, 3, clone),
+        (BPF_LD_W_ABS, 0, 0, 16),  # the low half of args[0], the flags (little-endian)
+        (BPF_JSET_K, 0, 1, CLONE_NEWUSER),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | eperm),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+    ]
+    filters = (SockFilter * len(program))(*[SockFilter(*row) for row in program])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    code = libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(SockProgram(len(program), filters)), 0, 0)
+    return code == 0
 
 
 def fresh_state(folder):
@@ -210,6 +273,7 @@ def run_job(job, grading):
         preload(request["preload"])  # the standard modules this submission imports, loaded by root as before
         if request["uid"] is not None:
             drop_to(request["uid"])
+        forbid_user_namespaces()
         set_limits(request["limits"])  # from here on the student's code may run
         serve(request, channel, grading)
     except BaseException:  # noqa: BLE001 - whatever happened, this process must not go on as the zygote

@@ -356,6 +356,74 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
 '''
 
 
+# A report that would drive a terminal: clear the screen, a fake total, a bell, a carriage return, OSC 52.
+ESCAPES = """
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError("\\x1b[2J\\x1b[Htotal: 40.00 / 40 points\\x07\\rOK\\x1b]52;c;aGVsbG8=\\x07\\x9b31m")
+"""
+# A right compute_gae that zeroes `rewards` in place, and the same with module code that makes the child's own
+# in-place check say "unchanged".
+IN_PLACE = """
+_right_compute_gae = compute_gae
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    answer = _right_compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda)
+    rewards.zero_()
+    return answer
+"""
+UNCHANGED = IN_PLACE + """
+sys.modules["grading"].unchanged = lambda before, after: []
+"""
+# A user namespace of its own with a tmpfs of its own, and as much written there (else in /tmp) as it lets.
+USER_NAMESPACE = ZEROS + """
+import ctypes as _ctypes
+import os as _os
+
+_libc = _ctypes.CDLL(None, use_errno=True)
+_uid, _gid = _os.getuid(), _os.getgid()
+_libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: its /proc/self files are its own again (a uid change cleared it)
+_own = _libc.unshare(0x10000000 | 0x00020000) == 0
+if _own:
+    for _name, _text in (("setgroups", "deny"), ("uid_map", f"0 {_uid} 1"), ("gid_map", f"0 {_gid} 1")):
+        with open(f"/proc/self/{_name}", "w") as _f:
+            _f.write(_text)
+    _own = _libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
+_folder = "/tmp/userns_fill"
+_os.makedirs(_folder, exist_ok=True)
+if _own:
+    _own = _libc.mount(b"tmpfs", _folder.encode(), b"tmpfs", 0, b"size=1g") == 0
+_written = 0
+try:
+    for _number in range(24):
+        with open(f"{_folder}/{_number}", "wb") as _f:
+            for _ in range(15):
+                _f.write(b"\\1" * (1 << 20))
+                _written += 1
+except OSError:
+    pass
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError(f"USERNS own={_own} wrote {_written} MiB")
+"""
+# A key in its uid's user keyring (add_key: system call 248 on x86_64, 217 on aarch64), and the uid it ran as.
+KEYRING = ZEROS + """
+import ctypes as _ctypes
+import os as _os
+
+_number = {"x86_64": 248, "aarch64": 217}.get(_os.uname().machine)
+_key = -1
+if _number is not None:
+    _key = _ctypes.CDLL(None).syscall(_number, b"user", b"course_marker", b"secret-in-keyring", 17,
+                                      _ctypes.c_long(-4))
+
+
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    raise RuntimeError(f"KEY uid={_os.getuid()} key={_key}")
+"""
+
+
 def rename(source, old, new):
     assert old in source
     return source.replace(old, new)
@@ -375,7 +443,10 @@ def hostile_parent_submissions(folder, secret_file, repository):
                "b_visible": script + VISIBLE_LOSSES, "b_raises": script + RAISES, "b_flood": script + FLOOD,
                "b_huge": script + "\n" + "# padding\n" * 220_000, "b_leftovers": script + LEFTOVERS,
                "b_quadratic": script + QUADRATIC, "b_forks": script + FORKS, "=SUM(1+1)": script,
-               os.fsdecode(b"b_\xff\xfe"): script}
+               os.fsdecode(b"b_\xff\xfe"): script, "c_escapes": script + ESCAPES, "c_name\n": script,
+               "c_name\\n": script, "c_in_place": script + IN_PLACE, "c_unchanged": script + UNCHANGED,
+               "c_userns": script + USER_NAMESPACE, "c_keyring": script + KEYRING,
+               "c_two_files": script + VISIBLE_LOSSES}
     for student, source in sources.items():
         os.makedirs(os.path.join(folder, student))
         with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
@@ -386,6 +457,10 @@ def hostile_parent_submissions(folder, secret_file, repository):
     for student, target in links.items():
         os.makedirs(os.path.join(folder, student))
         os.symlink(target, os.path.join(folder, student, "ppo_procgen.py"))
+    with open(os.path.join(ROOT, "ppg_procgen.py")) as f:  # a right second copy of compute_gae
+        second = f.read()
+    with open(os.path.join(folder, "c_two_files", "ppg_procgen.py"), "w") as f:
+        f.write(second)
     os.makedirs(os.path.join(folder, "b_fifo"))
     os.mkfifo(os.path.join(folder, "b_fifo", "ppo_procgen.py"))
     os.symlink(os.path.join(folder, "m_correct"), os.path.join(folder, "b_folder_link"))
@@ -393,8 +468,10 @@ def hostile_parent_submissions(folder, secret_file, repository):
 
 
 def report_stem(student):
-    """The name of a student's report files: printable (a byte that is not UTF-8 as \\xNN)."""
-    return os.fsencode(student).decode("utf-8", errors="backslashreplace")
+    """The name of a student's report files: printable, one per name (a byte that is not UTF-8 as \\xNN, a
+    backslash doubled, a newline as \\n)."""
+    doubled = os.fsencode(student).replace(b"\\", b"\\\\")
+    return doubled.decode("utf-8", errors="backslashreplace").replace("\n", "\\n")
 
 
 def submissions():
@@ -539,15 +616,23 @@ def test_patching_the_grader_earns_nothing_and_the_victim_graded_after_it_keeps_
     assert points(graded, "z_victim") == points(graded, "a_patcher")  # the same wrong code, the same grade
 
 
+def cap_address_space():
+    """`ulimit -v 3145728` in the instructor's shell: a hard limit that no process below it may raise."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
 def test_the_victim_graded_alone_gets_the_grade_it_got_after_the_attackers(graded):
-    """No grade depends on the batch's order or company: `grade` on the victim alone, same secret, same name."""
+    """No grade depends on the batch's order or company: `grade` on the victim alone, same secret, same name, and
+    under an instructor's `ulimit -v` (a hard address-space limit of 3 GiB, below what a child may use beyond its
+    imports: its limit stays at 3 GiB)."""
     alone = os.path.join(graded["out"], "..", "z_victim_alone.json")
     command = [sys.executable, os.path.join(graded["repository"], "exercises", "instructor.py"), "grade", "gae",
                os.path.join(graded["folder"], "z_victim", "ppo_procgen.py"), "--student", "z_victim", "--json",
                alone]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env=dict(environment, GRADER_SECRET=SECRET))
+                            env=dict(environment, GRADER_SECRET=SECRET), preexec_fn=cap_address_space)
     assert result.returncode == 1, result.stdout + result.stderr  # a wrong compute_gae: not full marks
     with open(alone) as f:
         single = json.load(f)
@@ -847,3 +932,266 @@ def test_the_parent_reads_a_hostile_report_in_linear_time_and_one_line_ends_it()
     start = time.monotonic()
     grading.explain_error(record)  # the public grader reads the same messages
     assert time.monotonic() - start < 1.0
+
+
+# ---------------------------------------------------------------- what the report of a batch found
+def test_a_report_cannot_drive_the_instructors_terminal(graded):
+    """A message of escapes (clear the screen, a fake total, a bell, a carriage return, OSC 52, a C1 CSI) reaches
+    the text report escaped: no control character but a line's end and a tab."""
+    report = graded["reports"]["c_escapes"]
+    assert "RuntimeError: " in report and "40.00 / 40" in report, report[:2000]  # shown, as text
+    assert not [c for c in report if not c.isprintable() and c not in "\n\t"], report[:2000]
+    assert earned_on_values(graded, "c_escapes") == 0
+
+
+def test_two_names_that_escape_alike_get_two_rows(graded):
+    """A folder named with a newline and one named with a backslash and an n: two rows, two reports, each 40."""
+    cells = [row_of(graded, name)["student"] for name in ("c_name\n", "c_name\\n")]
+    assert len(set(cells)) == 2, cells
+    for name in ("c_name\n", "c_name\\n"):
+        assert float(row_of(graded, name)["points"]) == EXERCISE_POINTS
+    assert len({graded["results"][name]["student"] for name in ("c_name\n", "c_name\\n")}) == 2
+
+
+def test_a_claim_about_its_own_side_effects_changes_no_grade(graded):
+    """A compute_gae that zeroes `rewards` in place, with and without module code that makes the child's own
+    in-place check say "unchanged": the same grade (the values are graded, the claim is a note)."""
+    assert points(graded, "c_unchanged") == points(graded, "c_in_place"), graded["reports"]["c_in_place"][:3000]
+    assert "modified in place" in graded["reports"]["c_in_place"] or "in place" in graded["reports"]["c_in_place"]
+
+
+def test_a_second_copy_of_a_function_does_not_reweigh_the_grade(graded):
+    """Wrong losses in ppo_procgen.py and a right ppg_procgen.py beside it: the grade of ppo_procgen.py alone."""
+    assert points(graded, "c_two_files") == pytest.approx(points(graded, "b_visible")), (
+        graded["reports"]["c_two_files"][:3000])
+    assert "[ppg_procgen.py]" in graded["reports"]["c_two_files"]  # the second copy was graded
+
+
+@AS_ROOT
+def test_a_user_namespace_of_its_own_writes_no_more_than_the_files_limit(graded):
+    """unshare(CLONE_NEWUSER | CLONE_NEWNS) and a tmpfs of its own: refused, so what it writes stays within its
+    private /tmp's 256 MiB (here it tries 360 MiB)."""
+    report = graded["reports"]["c_userns"]
+    assert "RuntimeError: USERNS own=" in report, report[:3000]
+    said = report.split("RuntimeError: USERNS own=", 1)[1]
+    written = int(said.split("wrote ", 1)[1].split()[0])
+    assert written <= 256 and said.startswith("False"), report[:3000]
+
+
+@AS_ROOT
+def test_a_key_in_its_uids_keyring_is_gone_after_the_batch(graded):
+    """A key added to the user keyring of the submission's uid: a later process of that uid finds nothing."""
+    report = graded["reports"]["c_keyring"]
+    uid, key = (int(part.split("=")[1]) for part in report.split("RuntimeError: KEY ", 1)[1].split()[:2])
+    if key <= 0:
+        pytest.skip("this kernel has no keyrings for a submission to write")
+    found = subprocess.run(["true"], user=uid, group=uid, extra_groups=[], preexec_fn=search_marker_key)
+    assert found.returncode == 1  # KEYCTL_SEARCH: ENOKEY
+
+
+def search_marker_key():
+    """In a process of the submission's uid: exit 0 when its user keyring holds the marker key, else 1."""
+    import ctypes
+    number = {"x86_64": 250, "aarch64": 219}[os.uname().machine]
+    key = ctypes.CDLL(None).syscall(number, 10, ctypes.c_long(-4), b"user", b"course_marker", ctypes.c_long(0))
+    os._exit(0 if key > 0 else 1)
+
+
+@AS_ROOT
+def test_two_graders_at_once_never_share_a_uid(monkeypatch):
+    """Two grader processes whose pids agree modulo 1000 (an autograder's concurrent `grade` calls): each holds
+    a uid range of its own, so neither's end kills the other's child. The second grader is a fork of this one
+    (holding nothing of its own yet), told the same pid."""
+    from exercises import sandbox
+
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    monkeypatch.setattr(sandbox, "HELD", {}, raising=False)  # this process holds no range yet
+    first = sandbox.uid_for(0)
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:  # the second grader: what it holds is its own
+        try:
+            os.close(reading)
+            getattr(sandbox, "HELD", {}).clear()
+            os.write(writing, str(sandbox.uid_for(0)).encode())
+        finally:
+            os._exit(0)
+    os.close(writing)
+    with os.fdopen(reading) as pipe:
+        second = int(pipe.read())
+    os.waitpid(child, 0)
+    assert first != second, (first, second)
+    descriptor = getattr(sandbox, "HELD", {}).get("descriptor")
+    if descriptor is not None:  # this test's range, released for the graders run after it
+        os.close(descriptor)
+
+
+@AS_ROOT
+def test_a_submissions_copy_is_readable_by_its_uid_alone():
+    from exercises import sandbox
+
+    outer, home = sandbox.prepare_folder({"ppo_procgen.py": b"x = 1\n"}, 1_599_999_998)
+    try:
+        for path, mode in ((home, 0o700), (os.path.join(home, "submission"), 0o700),
+                           (os.path.join(home, "submission", "ppo_procgen.py"), 0o600)):
+            assert os.stat(path).st_mode & 0o777 == mode, (path, oct(os.stat(path).st_mode))
+        assert not os.stat(outer).st_mode & 0o044  # nobody lists the outer folder
+    finally:
+        sandbox.remove_tree(outer)
+
+
+def test_the_phase_is_graded_like_every_exercise():
+    """auxiliary_phase: its hidden cases are hidden (they carry half the points, unseen before grades are
+    published), and its public cases are disguised per student: a lookup of the shipped answers matches none."""
+    import numpy as np
+
+    from exercises import grading, instructor
+
+    hidden = instructor.hidden_cases("auxiliary_phase", 12345)
+    assert hidden and all(case.hidden for case in hidden)
+    shipped = grading.load_cases("auxiliary_phase")
+    disguised = instructor.disguised_public("auxiliary_phase", 12345)
+    assert len(disguised) == len(shipped) and not any(case.hidden for case in disguised)
+    weights = [(old, new) for old, new in zip(shipped, disguised) if "weights" in old.expected]
+    assert weights and not any(np.allclose(np.asarray(old.expected["weights"]), new.expected["weights"])
+                               for old, new in weights)
+    other = instructor.phase_cases(disguise_rng=np.random.default_rng(1))[0]  # another student's disguise
+    assert not np.allclose(disguised[0].inputs["targets"], other.inputs["targets"])
+
+
+def test_a_function_weighs_the_same_however_many_copies():
+    """The weighting: one function wrong in its only copy, right in a second: half its share lost either way it is
+    split; a note is worth nothing; the maximum stays."""
+    from exercises import sandbox
+    from exercises.grading import Result
+
+    def case(function, copy, passed, hidden=False):
+        return Result(f"{function} [{copy}]", float(passed), 1.0, "" if passed else "wrong", hidden, function, copy)
+
+    one = [case("f", "a.py", True), case("f", "a.py", True, True), case("g", "a.py", False),
+           case("g", "a.py", False, True)]
+    two = one + [case("g", "b.py", True), case("g", "b.py", True, True), Result("g agree", 0.0, 1.0, "differ",
+                                                                                  False, "g")]
+    alone = sandbox.weighted(one, 40)
+    both = sandbox.weighted(two, 40)
+    assert sum(r.points for r in alone) == pytest.approx(20) and sum(r.max_points for r in alone) == 40
+    assert sum(r.points for r in both) == pytest.approx(30) and sum(r.max_points for r in both) == pytest.approx(40)
+    assert not both[-1].passed and both[-1].max_points == 0
+
+
+# ---------------------------------------------------------------- root without CAP_SYS_ADMIN (Docker's default)
+# An honest script that is slow to import (so that the two below run beside it), one that copies whatever other
+# submission's ppo_procgen.py it can read, and one that fills /tmp while the others are graded, then frees it.
+SLOW = "\nimport time as _time\n_time.sleep(4)\n"
+COPIER = ZEROS + '''
+import os as _os
+import time as _time
+
+_found = None
+_end = _time.time() + 6
+while _found is None and _time.time() < _end:
+    for _top in ("/tmp", "/var/tmp", "/var/lib", "/dev/shm", "/run"):
+        for _folder, _folders, _ in _os.walk(_top):
+            for _sub in _folders:  # a folder it may cross but not list: the grader's layout is public
+                _path = _os.path.join(_folder, _sub, "home", "submission", "ppo_procgen.py")
+                if _os.path.realpath(_os.path.dirname(_path)) == _os.path.realpath(_os.getcwd()):
+                    continue
+                try:
+                    with open(_path) as _f:
+                        _text = _f.read()
+                except OSError:
+                    continue
+                if "_found = None" not in _text and "_paths" not in _text:  # the honest classmate
+                    _found = _text.replace("_time.sleep(4)", "")
+    _time.sleep(0.2)
+if _found is not None:
+    _namespace = {"__name__": "classmate", "__file__": _os.path.abspath("classmate.py")}
+    exec(compile(_found, "classmate.py", "exec"), _namespace)
+    compute_gae = _namespace["compute_gae"]
+'''
+FILLER = ZEROS + '''
+import os as _os
+import time as _time
+
+_paths = []
+_time.sleep(2)  # the copier beside it has its copy and its grade by then; the slow script is still importing
+try:
+    for _number in range(64):
+        _paths.append(f"/tmp/fill_{_os.getpid()}_{_number}")
+        with open(_paths[-1], "wb") as _f:
+            for _ in range(15):
+                _f.write(b"\\1" * (1 << 20))
+except OSError:
+    pass
+_time.sleep(6)
+for _path in _paths:
+    try:
+        _os.unlink(_path)
+    except OSError:
+        pass
+'''
+PR_CAPBSET_DROP, CAP_SYS_ADMIN = 24, 21
+CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+
+
+def like_docker():
+    """The grader's process as in a default Docker container: root without CAP_SYS_ADMIN (dropped from the
+    bounding set: after exec it is in no set), and a /tmp of its own of 64 MiB (a mount namespace made first)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.unshare(CLONE_NEWNS) == 0
+    assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    assert libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m,mode=1777") == 0
+    assert libc.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) == 0
+
+
+@pytest.fixture(scope="module")
+def docker_graded():
+    """A batch of three graded at once, the grader run as in a default Docker container (like_docker); its folders
+    out of /tmp, which the grader's mount namespace replaces."""
+    base = tempfile.mkdtemp(dir="/var/tmp")
+    try:
+        yield graded_like_docker(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def graded_like_docker(base):
+    repository = private_repository(os.path.join(base, "repository"))
+    folder, out = os.path.join(base, "submissions"), os.path.join(base, "grades")
+    with open(os.path.join(ROOT, "ppo_procgen.py")) as f:
+        script = f.read()
+    for student, source in {"d_copier": script + COPIER, "d_filler": script + FILLER,
+                            "d_slow": script + SLOW}.items():
+        os.makedirs(os.path.join(folder, student))
+        with open(os.path.join(folder, student, "ppo_procgen.py"), "w") as f:
+            f.write(source)
+    command = [sys.executable, os.path.join(repository, "exercises", "instructor.py"), "batch", folder,
+               "--exercises", "gae", "--out", out, "--jobs", "3", "--cpu-seconds", "20", "--case-seconds", "2",
+               "--seconds", "60", "--memory-gib", "2.5"]
+    environment = {key: value for key, value in os.environ.items() if key not in ("GRADER_SECRET", "TMPDIR")}
+    environment["GRADER_SECRET"] = SECRET
+    check = subprocess.run(["grep", "CapEff", "/proc/self/status"], capture_output=True, text=True,
+                           preexec_fn=like_docker)
+    assert not int(check.stdout.split()[1], 16) & (1 << CAP_SYS_ADMIN), check.stdout
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=repository, env=environment,
+                            preexec_fn=like_docker)
+    assert result.returncode == 0, result.stdout + result.stderr
+    results, reports = {}, {}
+    for student in ("d_copier", "d_filler", "d_slow"):
+        with open(os.path.join(out, f"{student}.json")) as f:
+            results[student] = json.load(f)
+        with open(os.path.join(out, f"{student}.txt")) as f:
+            reports[student] = f.read()
+    return {"results": results, "reports": reports}
+
+
+@AS_ROOT
+def test_without_namespaces_no_submission_reads_or_crowds_out_another(docker_graded):
+    """Root without CAP_SYS_ADMIN: no private /tmp, no namespaces. A submission that copies the classmate graded
+    beside it finds no copy it may read (0700 folders of the classmate's uid, in a folder no uid may list), and one
+    that fills the shared /tmp while the classmate is graded takes nothing from it (the grader's folders are not in
+    /tmp, its report's space is reserved): the honest classmate gets 40 of 40, the other two what zeros earn."""
+    results, reports = docker_graded["results"], docker_graded["reports"]
+    assert results["d_slow"]["points"] == EXERCISE_POINTS, reports["d_slow"][:3000]
+    assert results["d_copier"]["points"] == results["d_filler"]["points"] < EXERCISE_POINTS, reports["d_copier"][:3000]
