@@ -1,6 +1,8 @@
 """Environment steps per second of the two Procgen backends behind the scripts' adapter (`ProcgenVecEnv`), measured
-side by side: each backend in its own interpreter (procgen-mirror needs numpy<2 and CPython <= 3.12, EnvPool runs
-with numpy 2), alternated round by round so that a change in the machine's load falls on both.
+side by side: each timing in a fresh interpreter, the one given for its backend (requirements.txt installs
+procgen-mirror with numpy 1.26 on CPython 3.11 and 3.12, EnvPool with numpy 2 on 3.13; one interpreter with both
+installed may be given twice), alternated round by round so that a change in the machine's load falls on both. Each
+round's ratio is kept too: how far apart the rounds are shows how much one comparison can be trusted.
 
     python benchmarks/env_backends.py --procgen-python .venv/bin/python --envpool-python .venv313/bin/python \
         --games starpilot bigfish bossfight --rounds 5 --out benchmarks/results/cpu_env_backends.json
@@ -74,10 +76,15 @@ def main(argv=None):
     for game, by_backend in results.items():
         medians = {backend: statistics.median(t["steps_per_second"] for t in timings)
                    for backend, timings in by_backend.items()}
+        # Each round's two timings ran back to back: their ratio shows how much one comparison can move.
+        per_round = [envpool["steps_per_second"] / procgen["steps_per_second"]
+                     for procgen, envpool in zip(by_backend["procgen"], by_backend["envpool"])]
         summary[game] = {**{f"{backend}_median": value for backend, value in medians.items()},
-                         "envpool_over_procgen": medians["envpool"] / medians["procgen"]}
+                         "envpool_over_procgen": medians["envpool"] / medians["procgen"],
+                         "envpool_over_procgen_per_round": per_round}
         print(f"{game:10} procgen-mirror {medians['procgen']:8.0f}  EnvPool {medians['envpool']:8.0f} steps/s  "
-              f"ratio {summary[game]['envpool_over_procgen']:.2f}")
+              f"ratio {summary[game]['envpool_over_procgen']:.2f} (per round "
+              f"{min(per_round):.2f}-{max(per_round):.2f})")
     if args.out:
         with open(args.out, "w") as out:
             json.dump({"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),

@@ -2,10 +2,12 @@
 algorithms rely on, checked against each installed backend, and parity with a trace of the official package.
 
 tests/data/procgen_trace.npz was recorded with procgen-mirror by `python tests/test_procgen_backends.py`: every
-game's first frames, and scripted random actions played in four games with each step's rewards and episode ends and
-the frames that start new episodes. EnvPool must reproduce the rewards and ends exactly (the same levels, the same
-game logic, the same-step reset); its frames may differ in a few anti-aliased pixels, because the two backends draw
-with different Qt 5 builds (procgen-mirror's wheel bundles Qt 5.9, EnvPool loads the system's 5.15): docs/platforms.md.
+game's first frames, and scripted random actions played in four games with each step's rewards and episode ends, the
+frames that start new episodes and their levels. EnvPool must reproduce the rewards, the ends and the new episodes'
+levels exactly (the same levels, the same game logic, the same-step reset). Its frames are not pixel-identical to
+procgen-mirror's: the two backends draw with different Qt 5 builds (procgen-mirror's wheel bundles Qt 5.9, EnvPool
+loads the system's 5.15), which anti-alias some edges differently (docs/platforms.md). So the frame that an episode's
+end returns is checked exactly on its own backend: it must be the first frame of a fresh game on the next level.
 """
 import os
 import sys
@@ -20,8 +22,11 @@ import ppo_procgen as ppo
 TRACE = os.path.join(ROOT, "tests", "data", "procgen_trace.npz")
 PLAYED = ("starpilot", "bigfish", "bossfight", "coinrun")  # the speed table's games, and one with rare ends
 NUM_ENVS, STEPS, SEED, FIRST_SEED = 4, 300, 7, 11
-# Anti-aliasing differences between the Qt builds touch a few dozen of a frame's 4096 pixels at most (28 in 1,000
-# steps of CoinRun: docs/platforms.md); a frame of the wrong moment (the old episode's last one) differs in far more.
+# How many of a frame's 4,096 pixels EnvPool may draw differently from the trace's first frames: 2 at most with
+# Debian 12's Qt 5.15.8, but in other frames, seeds and games up to 67 (docs/platforms.md), and other Qt builds may
+# differ more. A wrong level differs in thousands of pixels, but the wrong moment of the same game can differ in fewer
+# than this (in Maze 112 between the frame before an end and the next level's first): so the levels and the frames
+# that ends return are checked exactly instead.
 MAX_PIXELS_REDRAWN = 128
 WHEELS = {"procgen": "CPython 3.11 and 3.12 on Linux x86-64",
           "envpool": "CPython 3.13 and 3.14 on Linux x86-64; 3.11-3.14 on Linux aarch64, macOS arm64 and Windows"}
@@ -48,24 +53,67 @@ def platform_backend():
     return "procgen" if official else "envpool"
 
 
-def play(backend, game, actions, step=None):
-    """Scripted play from reset(seed=SEED): the first frames, every step's rewards and ends, and the frame each end
-    returned (the next episode's first) as a list of (step, env, frame)."""
-    envs = ppo.ProcgenVecEnv(NUM_ENVS, game, backend=backend)
-    obs, _ = envs.reset(seed=SEED)
+class LevelSeeds:
+    """A backend's games, passed through unchanged, that also tell each game's current level seed from the backend's
+    own reports: procgen's gym3 `get_info()`, and the info of each EnvPool call (`level_seed` of the games it lists
+    in `env_id`). The adapter reports no levels itself."""
+
+    def __init__(self, games, backend, num_envs):
+        self.games, self.backend = games, backend
+        self.seeds = np.full(num_envs, -1)  # EnvPool's, as its calls report them
+
+    def __getattr__(self, name):  # act, observe, get_info, close: the games' own
+        return getattr(self.games, name)
+
+    def step(self, *args, **kwargs):  # EnvPool's
+        result = self.games.step(*args, **kwargs)
+        info = result[-1]
+        self.seeds[info["env_id"]] = info["level_seed"]
+        return result
+
+    def current(self):
+        if self.backend == "procgen":
+            return np.array([info["level_seed"] for info in self.games.get_info()])
+        return self.seeds.copy()
+
+
+def play(backend, game, actions, step=None, seed=SEED):
+    """Scripted play from reset(seed=seed): the first frames, every step's rewards and ends, and what each end
+    returned as a list of (step, env, frame, level): the frame, and the level seed the game then plays."""
+    envs = ppo.ProcgenVecEnv(actions.shape[1], game, backend=backend)
+    obs, _ = envs.reset(seed=seed)
+    envs.env = LevelSeeds(envs.env, backend, envs.num_envs)
     first, rewards, ends, starts = obs.copy(), [], [], []
     for t, action in enumerate(actions):
         obs, reward, terminated, truncated, info = (step or type(envs).step)(envs, action)
         assert not truncated.any() and info == {}
         rewards.append(reward)
         ends.append(terminated)
-        starts += [(t, i, obs[i].copy()) for i in np.flatnonzero(terminated)]
+        levels = envs.env.current()
+        starts += [(t, i, obs[i].copy(), levels[i]) for i in np.flatnonzero(terminated)]
     envs.close()
     return first, np.array(rewards), np.array(ends), starts
 
 
-def scripted_actions(game):
-    return np.random.default_rng(PLAYED.index(game)).integers(15, size=(STEPS, NUM_ENVS))
+def first_frame_of_level(backend, game, level):
+    """The first frame of a fresh game that plays only `level` (a level seed)."""
+    envs = ppo.ProcgenVecEnv(1, game, num_levels=1, start_level=int(level), backend=backend)
+    frame = envs.reset(seed=0)[0][0]
+    envs.close()
+    return frame
+
+
+def assert_ends_return_the_next_levels_first_frame(backend, game, starts):
+    """Exactly, on the same backend: each end's frame is the first frame of a fresh game on the level that the end
+    moved to (not, say, the old episode's last frame, which in Maze differs from it in as few as 112 pixels)."""
+    for t, i, frame, level in starts:
+        np.testing.assert_array_equal(frame, first_frame_of_level(backend, game, level),
+                                      err_msg=f"{game}: the frame returned with the end at step {t}, env {i}")
+
+
+def scripted_actions(game, steps=STEPS, num_envs=NUM_ENVS):
+    actions_seed = PLAYED.index(game) if game in PLAYED else len(PLAYED)  # the trace's games: as recorded
+    return np.random.default_rng(actions_seed).integers(15, size=(steps, num_envs))
 
 
 def first_frames(backend):
@@ -83,7 +131,7 @@ def redrawn_pixels(a, b):
 
 
 def assert_frames_match(backend, recorded, played, where):
-    """Equal on the backend the trace was recorded with; up to the Qt builds' anti-aliasing on the other."""
+    """Equal on the backend the trace was recorded with; on the other, up to this trace's anti-aliasing."""
     if backend == "procgen":
         np.testing.assert_array_equal(played, recorded, err_msg=where)
     else:
@@ -96,10 +144,12 @@ def assert_play_matches_the_trace(backend, trace, game, step=None):
     np.testing.assert_array_equal(rewards, trace[f"{game}/rewards"], err_msg=f"{game}: rewards")
     for env in range(NUM_ENVS):
         assert_frames_match(backend, trace[f"{game}/first"][env], first[env], f"{game}: first frame of env {env}")
-    recorded_starts = trace[f"{game}/starts"]
-    assert [(t, i) for t, i, _ in starts] == [tuple(where) for where in trace[f"{game}/starts_at"]]
-    for (t, i, frame), recorded in zip(starts, recorded_starts):
-        assert_frames_match(backend, recorded, frame, f"{game}: the frame returned with the end at step {t}, env {i}")
+    assert [(t, i) for t, i, _, _ in starts] == [tuple(where) for where in trace[f"{game}/starts_at"]]
+    assert [level for _, _, _, level in starts] == list(trace[f"{game}/start_levels"]), f"{game}: new levels"
+    assert_ends_return_the_next_levels_first_frame(backend, game, starts)
+    if backend == "procgen":  # the recorded frames themselves, which the other backend draws slightly differently
+        for (t, i, frame, _), recorded in zip(starts, trace[f"{game}/starts"]):
+            np.testing.assert_array_equal(frame, recorded, err_msg=f"{game}: the frame of the end at {t}, env {i}")
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +226,15 @@ def test_scripted_play_gives_the_official_rewards_ends_and_new_episodes(backend,
     assert_play_matches_the_trace(backend, trace, game)
 
 
+def test_an_end_in_maze_returns_the_next_levels_first_frame(backend):
+    """Maze's frames change little from one level to the next (the frame before an end and the next level's first
+    can differ in about a hundred pixels, fewer than the backends' drawing differs elsewhere), so only an exact check
+    tells them apart."""
+    _, _, _, starts = play(backend, "maze", scripted_actions("maze", steps=250, num_envs=16), seed=2)
+    assert len(starts) >= 5, "too few episode ends to check"
+    assert_ends_return_the_next_levels_first_frame(backend, "maze", starts)
+
+
 def test_envpools_raw_reset_step_in_a_rollout_would_be_caught(trace):
     """EnvPool on its own resets a finished game one step late: the end's step returns the old episode's last frame,
     and the next step is a transition whose action is ignored, with reward 0 and no end, from the last frame into
@@ -203,8 +262,9 @@ def record(path):
     for game in PLAYED:
         first, rewards, ends, starts = play("procgen", game, scripted_actions(game))
         arrays.update({f"{game}/first": first, f"{game}/rewards": rewards, f"{game}/ends": ends,
-                       f"{game}/starts_at": np.array([(t, i) for t, i, _ in starts]).reshape(-1, 2),
-                       f"{game}/starts": np.array([frame for _, _, frame in starts])})
+                       f"{game}/starts_at": np.array([(t, i) for t, i, _, _ in starts]).reshape(-1, 2),
+                       f"{game}/starts": np.array([frame for _, _, frame, _ in starts]),
+                       f"{game}/start_levels": np.array([level for _, _, _, level in starts])})
     os.makedirs(os.path.dirname(path), exist_ok=True)
     np.savez_compressed(path, **arrays)
 
