@@ -61,9 +61,11 @@ ANCHORED = ("ppo_procgen.py",)  # the scripts that baselines PPO is the anchor o
 # speed-ups, evaluation and saving cadence, logging, resuming.
 RUNTIME_FLAGS = {"script", "exp_name", "seed", "total_timesteps", "cuda", "torch_deterministic", "env_backend",
                  "env_threads", "torch_threads", "channels_last", "compile", "eval_every",
-                 "eval_episodes", "on_track", "capture_video", "track", "wandb_project",
+                 "eval_episodes", "capture_video", "track", "wandb_project",
                  "wandb_entity", "wandb_mode", "save_model", "save_every", "resume", "eval_only",
                  "checkpoint"}
+# Runtime flags that earlier versions of the scripts wrote to args.json (the committed runs have them).
+RETIRED_FLAGS = {"on_track"}
 # Every other flag's default, per script (tests/test_procgen_cpu.py checks them against the scripts'
 # Args). The environment, network, normalizer and optimizer flags belong to the shared blocks.
 SHARED_DEFAULTS = {"learning_rate": 0.0005, "anneal_lr": False, "gamma": 0.999,
@@ -98,7 +100,7 @@ def changed_flags(args):
                          f"{', '.join(DEFAULTS)} only")
     defaults = DEFAULTS[script]
     changed = [(flag, json.dumps(value)) for flag, value in args.items()
-               if flag not in RUNTIME_FLAGS and (flag not in defaults or value != defaults[flag])]
+               if flag not in RUNTIME_FLAGS | RETIRED_FLAGS and (flag not in defaults or value != defaults[flag])]
     return tuple(sorted(changed))
 
 
