@@ -1051,9 +1051,13 @@ class StopOnSignal:
             save_checkpoint(self.run, final=last)
 
     def __exit__(self, kind, error, traceback):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
+        for signum in self.previous:  # the run is ending: no further signal cuts its checkpoint's write
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
+        finally:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
 
 
 def end_run(run, closing, error, signum):
