@@ -10,26 +10,26 @@ and its budget is cut to what is left; otherwise it is recorded as "no time" wit
 needed. A failed step is recorded and the next one runs.
 
   step          need  budget (s)
-  preflight       15      30  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
+  preflight       15      25  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
                               if it fails nothing else runs (the CPU dry run lets no CUDA through)
-  ppo-speed       40      50  bench.py: PPO at its defaults: SPS, ms per vector step (the
+  ppo-speed       40      55  bench.py: PPO at its defaults: SPS, ms per vector step (the
                               rollout's and the games' share), the update's achieved TFLOPS
                               (gpu_flops.py), peak memory -> ppo.json
-  ppg-speed       45      60  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
+  ppg-speed       50      70  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
                               auxiliary phases, the first (cold) in the warm-up; the policy and
                               the auxiliary phase apart, as ppo-speed's figures -> ppg.json
-  learning       150     185  PPO and PPG at their defaults on StarPilot (easy) and on BigFish
+  learning        90     100  PPO and PPG at their defaults on StarPilot (easy) and on BigFish
                               (hard, where the official runs show PPG's lead earliest), four
                               runs side by side sized to the budget; packed into
                               learning.tar.gz as each run ends
-  results         15      30  results.py on the learning runs: figures, aggregate.md, on-track lines
-  ppo-fast        45      70  bench.py: PPO with --amp, with --compile (a cold torch.compile),
+  results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
+  ppo-fast        85     100  bench.py: PPO with --amp, with --compile (a cold torch.compile),
                               each alone -> added to ppo.json
-  impala-speed    30      45  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
+  impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
-  nccl            20      25  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
+  nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
                               and a checkpoint
-  cuda-tests      20      30  pytest -m cuda on the files that hold CUDA tests (2 at a time where
+  cuda-tests      50      60  pytest -m cuda on the files that hold CUDA tests (2 at a time where
                               pytest-xdist is); last, since a cut pytest still reports the tests
                               that ran (gpu_pytest_log.py writes each outcome as the test ends)
   sum                    525  = DEADLINE_S 540 - RESERVE_S 15
@@ -96,9 +96,10 @@ TINY_FLAGS = {  # the CPU dry run: games, networks, batches as small as the scri
                  "--hidden-size 8",
 }
 # (name, need, budget) in seconds at the default deadline, in the order of their value (see above).
-TABLE = [("preflight", 15, 30), ("ppo-speed", 40, 50), ("ppg-speed", 45, 60), ("learning", 150, 185),
-         ("results", 15, 30), ("ppo-fast", 45, 70), ("impala-speed", 30, 45), ("nccl", 20, 25),
-         ("cuda-tests", 20, 30)]
+# Each budget is a step's time on a cold H200 (docs/speed.md) plus GRACE_S and a margin; learning gets the rest.
+TABLE = [("preflight", 15, 25), ("ppo-speed", 40, 55), ("ppg-speed", 50, 70), ("learning", 90, 100),
+         ("results", 15, 25), ("ppo-fast", 85, 100), ("impala-speed", 45, 55), ("nccl", 25, 35),
+         ("cuda-tests", 50, 60)]
 
 
 @dataclasses.dataclass
