@@ -11,6 +11,7 @@ The instructor runs from a private copy of the repository (a folder only its own
 docs/assignments.md asks): a child that finds the repository's path in the instructor's command line then finds
 nothing it may read there."""
 import csv
+import functools
 import json
 import os
 import shutil
@@ -616,23 +617,30 @@ def test_patching_the_grader_earns_nothing_and_the_victim_graded_after_it_keeps_
     assert points(graded, "z_victim") == points(graded, "a_patcher")  # the same wrong code, the same grade
 
 
-def cap_address_space():
-    """`ulimit -v 3145728` in the instructor's shell: a hard limit that no process below it may raise."""
+def torch_address_space():
+    """The address space a process holds once it has imported torch (torch's CUDA build reserves about 3 GiB)."""
+    code = "import os, torch; print(int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE'))"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def cap_address_space(limit):
+    """`ulimit -v` in the instructor's shell: a hard limit that no process below it may raise."""
     import resource
-    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def test_the_victim_graded_alone_gets_the_grade_it_got_after_the_attackers(graded):
     """No grade depends on the batch's order or company: `grade` on the victim alone, same secret, same name, and
-    under an instructor's `ulimit -v` (a hard address-space limit of 3 GiB, below what a child may use beyond its
-    imports: its limit stays at 3 GiB)."""
+    under an instructor's `ulimit -v` (a hard address-space limit 3 GiB above what importing torch holds, below what
+    a child may use beyond its imports, 4 GiB: its limit stays at the instructor's)."""
     alone = os.path.join(graded["out"], "..", "z_victim_alone.json")
     command = [sys.executable, os.path.join(graded["repository"], "exercises", "instructor.py"), "grade", "gae",
                os.path.join(graded["folder"], "z_victim", "ppo_procgen.py"), "--student", "z_victim", "--json",
                alone]
     environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env=dict(environment, GRADER_SECRET=SECRET), preexec_fn=cap_address_space)
+                            env=dict(environment, GRADER_SECRET=SECRET),
+                            preexec_fn=functools.partial(cap_address_space, torch_address_space() + (3 << 30)))
     assert result.returncode == 1, result.stdout + result.stderr  # a wrong compute_gae: not full marks
     with open(alone) as f:
         single = json.load(f)
