@@ -1045,7 +1045,8 @@ class StopOnSignal:
     def end_iteration(self, state, last):
         """After an iteration's log: its checkpoint `state`, kept in memory (what a stop inside the
         next iteration saves) and written every --save-every iterations and after the last."""
-        self.run.last_whole = (state["iteration"], checkpoint_bytes(state))
+        data = checkpoint_bytes(state) if self.run.rank == 0 else b""  # rank 0 writes for all ranks
+        self.run.last_whole = (state["iteration"], data)
         self.check()
         if self.run.args.save_model and (state["iteration"] % self.run.args.save_every == 0 or last):
             save_checkpoint(self.run, final=last)
