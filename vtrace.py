@@ -151,7 +151,8 @@ class Args:
     checkpoint: Optional[str] = None
     """the checkpoint that --eval-only evaluates"""
     env_threads: int = 0
-    """procgen worker threads (0: one on a CPU, the cores on a GPU: see `start_run`)"""
+    """procgen worker threads, split between the two pools of games where --num-envs is even (0: one
+    on a CPU, the cores on a GPU: see `start_run`; each pool has at least one)"""
     torch_threads: int = 0
     """torch CPU threads (0: half the cores on a CPU, for actor and learner side by side; one on a GPU)"""
     channels_last: bool = True
@@ -165,8 +166,11 @@ class Args:
 def make_env(args, num_envs):
     """Training envs. Episode statistics record raw game scores; the agent sees rewards divided by
     the std of a running discounted return (`NormalizeReward`) and clipped, as Procgen's baselines."""
-    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, num_levels=args.num_levels,
-                         start_level=args.start_level, num_threads=args.env_threads)
+    # Two pools of games, each with half the threads, where they split evenly (--overlap-games on or
+    # off then plays the same levels).
+    halves = 2 - num_envs % 2
+    envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, halves, num_levels=args.num_levels,
+                         start_level=args.start_level, num_threads=max(1, args.env_threads // halves))
     return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
                       -args.reward_clip, args.reward_clip)
 
@@ -737,18 +741,24 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
     episode's last reward and the *first* frame of the next episode (gym3's `first` flag). Procgen
     has no time-limit signal, so truncated is always False: time-outs count as terminations.
     `reset(seed=s)` builds fresh games whose levels and dynamics are fully determined by s
-    (procgen's `rand_seed`; EnvPool's `seed` draws each game's level seeds the same way)."""
+    (procgen's `rand_seed`; EnvPool's `seed` draws each game's level seeds the same way).
+
+    With `halves=2` the games are two pools of num_envs / 2: `step` sends both their actions, then
+    waits for both. `send(half, actions)` starts one half's games early, in their own threads, while
+    the caller computes the other half's actions (--overlap-games); `step` then only waits for it."""
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs, env_id, distribution_mode="easy", backend="auto", **options):
-        """`options`: procgen's num_levels, start_level and num_threads (its defaults: 0, 0, 1)."""
+    def __init__(self, num_envs, env_id, distribution_mode="easy", backend="auto", halves=1, **options):
+        """`options`: each pool's procgen num_levels, start_level and num_threads (its defaults: 0, 0, 1)."""
         if env_id not in PROCGEN_RANGES:  # procgen itself would abort the whole process from C++
             raise ValueError(f"unknown Procgen game {env_id!r}; choose one of {', '.join(PROCGEN_RANGES)}")
+        if num_envs % halves:
+            raise ValueError(f"{num_envs} games do not split into {halves} equal halves")
         self.backend = procgen_backend(backend)
         self.options = dict(env_name=env_id, distribution_mode=distribution_mode, **options)
-        self.num_envs = num_envs
-        self.env = None  # made at reset, seeded then
+        self.num_envs, self.halves = num_envs, halves
+        self.pools, self.sent = [], [False] * halves  # made at reset, seeded then
         self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
         self.single_action_space = gym.spaces.Discrete(15)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
@@ -759,34 +769,58 @@ class ProcgenVecEnv(gym.vector.VectorEnv):
         self.close_extras()
         if seed is None:
             seed = int(self.np_random.integers(2**31 - 1))
-        self.env = make_games(self.backend, self.num_envs, seed, **self.options)
+        # One pool plays the seed itself; two draw theirs from it by SeedSequence, as game_seed does.
+        seeds = [seed] if self.halves == 1 else np.random.SeedSequence(seed).generate_state(2) % (2**31 - 1)
+        self.pools = [make_games(self.backend, self.num_envs // self.halves, int(s), **self.options) for s in seeds]
+        self.sent = [False] * self.halves
         if self.backend == "procgen":
-            return self.env.observe()[1]["rgb"], {}
-        return self.env.reset()[0], {}
+            return np.concatenate([pool.observe()[1]["rgb"] for pool in self.pools]), {}
+        return np.concatenate([pool.reset()[0] for pool in self.pools]), {}
+
+    def send(self, half, actions):
+        """Start `half`'s games on their `actions` (one per game of that half); returns at once."""
+        send_step(self.backend, self.pools[half], np.asarray(actions, dtype=np.int32))
+        self.sent[half] = True
 
     def step(self, actions):
-        actions = np.asarray(actions, dtype=np.int32)
-        no_truncation = np.zeros(self.num_envs, dtype=bool)
-        if self.backend == "procgen":
-            self.env.act(actions)
-            reward, obs, first = self.env.observe()
-            return obs["rgb"], reward.astype(np.float64), first, no_truncation, {}
-        obs, reward, terminated, truncated, _ = self.env.step(actions)
-        ended = terminated | truncated  # EnvPool calls a time-out a truncation; procgen does not
-        if ended.any():
-            # EnvPool starts a finished game's next episode on the step after its end (ignoring
-            # that step's action, reward 0). Take that step now, for those games only, and return
-            # its first frame with the end: a rollout never holds the extra transition, so GAE and
-            # V-trace never bootstrap from one episode into the next.
-            finished = np.flatnonzero(ended).astype(np.int32)
-            first_frames, _, _, _, info = self.env.step(np.zeros(len(finished), np.int32), finished)
-            obs[info["env_id"]] = first_frames
-        return obs, reward.astype(np.float64), ended, no_truncation, {}
+        for half, half_actions in enumerate(np.split(np.asarray(actions), self.halves)):
+            if not self.sent[half]:
+                self.send(half, half_actions)
+        results = [receive_step(self.backend, pool) for pool in self.pools]
+        self.sent = [False] * self.halves
+        obs, reward, ended = (np.concatenate(parts) for parts in zip(*results))
+        return obs, reward, ended, np.zeros(self.num_envs, dtype=bool), {}  # never truncated
 
     def close_extras(self, **kwargs):
-        if self.env is not None:
-            self.env.close()
-            self.env = None
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+
+def send_step(backend, pool, actions):
+    """One pool's games start a step on `actions` in their worker threads; this returns at once."""
+    if backend == "procgen":
+        pool.act(actions)  # procgen's act() returns at once; observe() waits for the threads
+    else:
+        pool.send(actions)
+
+
+def receive_step(backend, pool):
+    """Wait for one pool's games to finish the step they were sent: (frames, rewards, ends)."""
+    if backend == "procgen":
+        reward, obs, first = pool.observe()
+        return obs["rgb"], reward.astype(np.float64), first
+    obs, reward, terminated, truncated, _ = pool.recv()
+    ended = terminated | truncated  # EnvPool calls a time-out a truncation; procgen does not
+    if ended.any():
+        # EnvPool starts a finished game's next episode on the step after its end (ignoring
+        # that step's action, reward 0). Take that step now, for those games only, and return
+        # its first frame with the end: a rollout never holds the extra transition, so GAE and
+        # V-trace never bootstrap from one episode into the next.
+        finished = np.flatnonzero(ended).astype(np.int32)
+        first_frames, _, _, _, info = pool.step(np.zeros(len(finished), np.int32), finished)
+        obs[info["env_id"]] = first_frames
+    return obs, reward.astype(np.float64), ended
 
 
 def procgen_backend(choice):

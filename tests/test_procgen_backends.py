@@ -82,14 +82,14 @@ def play(backend, game, actions, step=None, seed=SEED):
     returned as a list of (step, env, frame, level): the frame, and the level seed the game then plays."""
     envs = ppo.ProcgenVecEnv(actions.shape[1], game, backend=backend)
     obs, _ = envs.reset(seed=seed)
-    envs.env = LevelSeeds(envs.env, backend, envs.num_envs)
+    envs.pools = [LevelSeeds(envs.pools[0], backend, envs.num_envs)]  # one pool: halves=1
     first, rewards, ends, starts = obs.copy(), [], [], []
     for t, action in enumerate(actions):
         obs, reward, terminated, truncated, info = (step or type(envs).step)(envs, action)
         assert not truncated.any() and info == {}
         rewards.append(reward)
         ends.append(terminated)
-        levels = envs.env.current()
+        levels = envs.pools[0].current()
         starts += [(t, i, obs[i].copy(), levels[i]) for i in np.flatnonzero(terminated)]
     envs.close()
     return first, np.array(rewards), np.array(ends), starts
@@ -235,6 +235,35 @@ def test_an_end_in_maze_returns_the_next_levels_first_frame(backend):
     assert_ends_return_the_next_levels_first_frame(backend, "maze", starts)
 
 
+def test_sending_half_by_half_plays_the_same_games_as_one_step(backend):
+    """--overlap-games' two halves: the same actions, sent half by half as it does or all at once, give the same frames, rewards and
+    ends at every step."""
+    actions = np.random.default_rng(0).integers(15, size=(120, 8))
+    plain, halves = (ppo.ProcgenVecEnv(8, "bigfish", backend=backend, halves=2) for _ in range(2))
+    np.testing.assert_array_equal(plain.reset(seed=5)[0], halves.reset(seed=5)[0])
+    ends = 0
+    for action in actions:
+        expected = plain.step(action)
+        halves.send(0, action[:4])
+        halves.send(1, action[4:])
+        got = halves.step(np.full(8, -1))  # both halves already sent: these actions are not used
+        for want, have in zip(expected[:3], got[:3]):
+            np.testing.assert_array_equal(want, have)
+        ends += int(expected[2].sum())
+    assert ends > 0  # episodes ended and the next ones began inside the comparison
+    plain.close()
+    halves.close()
+
+
+def test_the_two_halves_play_different_levels(backend):
+    """Each pool draws its own seed: two pools seeded alike would play every level twice, game i of one half on
+    the same level as game i of the other."""
+    envs = ppo.ProcgenVecEnv(8, "starpilot", backend=backend, halves=2)
+    frames = envs.reset(seed=3)[0]
+    envs.close()
+    assert not any(np.array_equal(frames[i], frames[4 + i]) for i in range(4))
+
+
 def test_envpools_raw_reset_step_in_a_rollout_would_be_caught(trace):
     """EnvPool on its own resets a finished game one step late: the end's step returns the old episode's last frame,
     and the next step is a transition whose action is ignored, with reward 0 and no end, from the last frame into
@@ -247,7 +276,7 @@ def test_envpools_raw_reset_step_in_a_rollout_would_be_caught(trace):
                     f"{WHEELS['envpool']})")
 
     def raw_step(envs, actions):
-        obs, reward, terminated, truncated, _ = envs.env.step(np.asarray(actions, dtype=np.int32))
+        obs, reward, terminated, truncated, _ = envs.pools[0].step(np.asarray(actions, dtype=np.int32))
         return obs, reward.astype(np.float64), terminated | truncated, np.zeros(envs.num_envs, dtype=bool), {}
 
     with pytest.raises(AssertionError):
