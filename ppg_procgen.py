@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from gymnasium.vector import AutoresetMode
-from gymnasium.wrappers.vector import ClipReward, RecordEpisodeStatistics
+from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 
 @dataclass
@@ -184,22 +184,22 @@ def make_env(args, num_envs):
     halves = 2 - num_envs % 2
     envs = ProcgenVecEnv(num_envs, args.env_id, args.distribution_mode, args.env_backend, halves, num_levels=args.num_levels,
                          start_level=args.start_level, num_threads=max(1, args.env_threads // halves))
-    return ClipReward(NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma),
-                      -args.reward_clip, args.reward_clip)
+    return NormalizeReward(RecordEpisodeStatistics(envs), gamma=args.reward_norm_gamma, clip=args.reward_clip)
 
 
 class NormalizeReward(gym.vector.VectorWrapper):
     """Rewards divided by the running std of each game's discounted return G_t = r_t + gamma G_{t-1}
-    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL). Every step's G
-    updates the statistics `return_rms`, and G restarts after an episode's last step, so G_T keeps
-    the episode's history (gymnasium 1.x's NormalizeReward restarts it at that step: G_T = r_T)."""
+    (the Procgen baselines, the PPG code's RewardNormalizer, gym 0.23 in CleanRL), then clipped to
+    [-clip, clip]. Every step's G updates the statistics `return_rms`, and G restarts after an
+    episode's last step, so G_T keeps the episode's history (gymnasium 1.x's NormalizeReward
+    restarts it at that step: G_T = r_T). The clip is one numpy call here, as in the baselines'
+    VecNormalize: gymnasium's vector ClipReward clips each game's reward in a Python loop."""
 
-    def __init__(self, env, gamma, epsilon=1e-8):
+    def __init__(self, env, gamma, clip, epsilon=1e-8):
         super().__init__(env)
         self.return_rms = gym.wrappers.utils.RunningMeanStd(shape=())
         self.returns = np.zeros(self.num_envs)
-        self.gamma = gamma
-        self.epsilon = epsilon
+        self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
 
     def reset(self, *, seed=None, options=None):
         self.returns = np.zeros(self.num_envs)  # fresh games
@@ -209,7 +209,7 @@ class NormalizeReward(gym.vector.VectorWrapper):
         obs, reward, terminated, truncated, info = self.env.step(actions)
         self.returns = self.returns * self.gamma + reward
         self.return_rms.update(self.returns)
-        reward = reward / np.sqrt(self.return_rms.var + self.epsilon)
+        reward = np.clip(reward / np.sqrt(self.return_rms.var + self.epsilon), -self.clip, self.clip)
         self.returns[terminated | truncated] = 0.0  # SAME_STEP autoreset: the next step is a new game
         return obs, reward, terminated, truncated, info
 
@@ -568,7 +568,7 @@ def train(args):
     aux_optimizer = torch.optim.Adam(agent.networks(), lr=args.learning_rate, eps=args.adam_eps)
     optimizers = {"optimizer": optimizer, "aux_optimizer": aux_optimizer}  # per phase, as the PPG code
     envs = make_env(args, local_envs)  # (procgen makes the games at reset)
-    start_iteration = restore(run, agent, optimizers, envs.env)
+    start_iteration = restore(run, agent, optimizers, envs)
     policy = torch.compile(agent) if args.compile else agent  # the same weights
     forward_aux = torch.compile(agent.forward_aux) if args.compile else agent.forward_aux
     if args.eval_only:  # the checkpoint's agent on held-out levels: one row, one line
@@ -654,7 +654,7 @@ def train(args):
             log_iteration(run, iteration, global_step, episodes, stats)
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 evaluate_and_log(run, agent, iteration, global_step)
-            state = checkpoint_state(run, iteration, agent, optimizers, envs.env, kl_beta)
+            state = checkpoint_state(run, iteration, agent, optimizers, envs, kl_beta)
             stop.end_iteration(state, last=iteration == num_iterations)
     return run.dir
 

@@ -340,7 +340,7 @@ def test_reward_normalizer_keeps_the_episode_history_at_its_last_step():
     the std of all G so far."""
     rewards = np.ones((8, 1))
     dones = np.tile([False, False, False, True], 2)[:, None]
-    normalizer = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.5)
+    normalizer = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.5, clip=np.inf)
     fed = []
     update = normalizer.return_rms.update
     normalizer.return_rms.update = lambda x: (fed.append(x.tolist()), update(x))
@@ -375,12 +375,36 @@ def test_reward_normalizer_matches_gym_0_23_semantics():
             return None, rewards[self.t - 1], dones[self.t - 1], np.zeros(4, dtype=bool), {}
 
     old = OldNormalizeReward(OldVectorEnv(), gamma=0.99)
-    new = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.99)
+    new = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.99, clip=np.inf)
     new.reset(seed=0)
     for _ in range(300):
         np.testing.assert_allclose(new.step(np.zeros(4, dtype=int))[1], old.step(None)[1], rtol=1e-12)
     for key in ("mean", "var", "count"):
         assert getattr(new.return_rms, key) == pytest.approx(getattr(old.return_rms, key), rel=1e-12)
+
+
+def test_reward_clip_matches_gymnasiums_clip_reward_in_one_numpy_call(monkeypatch):
+    """The normalizer clips as gymnasium's vector ClipReward over it did (bit for bit), but in one numpy call per
+    step whatever the number of games: gymnasium's calls np.clip once per game, in a Python loop."""
+    from gymnasium.wrappers.vector import ClipReward
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=(200, 64)) * np.where(rng.random((200, 64)) < 0.01, 1000, 1)  # rare large ones
+    dones = rng.random((200, 64)) < 0.05
+    stacked = ClipReward(ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.99, clip=np.inf), -10.0, 10.0)
+    folded = ppo.NormalizeReward(ScriptedRewards(rewards, dones), gamma=0.99, clip=10.0)
+    stacked.reset(seed=0)
+    folded.reset(seed=0)
+    clipped = 0
+    for _ in range(199):  # the last step is left for the count below
+        expected, got = stacked.step(np.zeros(64, dtype=int))[1], folded.step(np.zeros(64, dtype=int))[1]
+        np.testing.assert_array_equal(got, expected)
+        clipped += int((np.abs(got) == 10.0).sum())
+    assert clipped > 0  # the clip was reached
+    calls = []
+    clip = np.clip
+    monkeypatch.setattr(np, "clip", lambda *args, **kwargs: (calls.append(1), clip(*args, **kwargs))[1])
+    folded.step(np.zeros(64, dtype=int))
+    assert len(calls) == 1
 
 
 def test_beta_is_adapted_to_the_kl_after_the_update(cue_env, in_tmp, monkeypatch):
