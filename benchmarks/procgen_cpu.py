@@ -60,7 +60,7 @@ ANCHORED = ("ppo_procgen.py",)  # the scripts that baselines PPO is the anchor o
 # Flags that change how a run is run, not what it learns: naming, seed, length, devices, threads,
 # speed-ups, evaluation and saving cadence, logging, resuming.
 RUNTIME_FLAGS = {"script", "exp_name", "seed", "total_timesteps", "cuda", "torch_deterministic", "env_backend",
-                 "env_threads", "torch_threads", "channels_last", "compile", "eval_every",
+                 "env_threads", "torch_threads", "overlap_games", "channels_last", "compile", "eval_every",
                  "eval_episodes", "capture_video", "track", "wandb_project",
                  "wandb_entity", "wandb_mode", "save_model", "save_every", "resume", "eval_only",
                  "checkpoint"}
