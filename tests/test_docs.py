@@ -863,16 +863,29 @@ def cited_number_problems(texts):
 EXTERNAL_CONTEXT = re.compile(r"(CleanRL|openai/[\w-]+|vwxyzjn/[\w-]+)(?:(?!\. ).){0,60}$", re.S)
 
 
+def heading_anchors(text):
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    headings = re.findall(r"(?m)^#+ (.+?)\s*$", prose(text))
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def cited_page_problems(texts):
-    """Every .md a page cites exists: link targets relative to the page, paths of this repository (docs/...,
-    shared/..., benchmarks/..., README.md) relative to its root; another repository's path (after its name) is
-    not ours to check."""
+    """Every .md a page cites exists, and so does the section a link names (`page.md#section`, `#section`): link
+    targets relative to the page, paths of this repository (docs/..., shared/..., benchmarks/..., README.md)
+    relative to its root; another repository's path (after its name) is not ours to check."""
     problems = []
     for page, text in texts.items():
         folder = os.path.dirname(os.path.join(ROOT, page))
-        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
-            if "://" not in target and not os.path.exists(os.path.join(folder, target)):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*?\.md|)(?:#([^)\s]*))?\)", text):
+            path = os.path.normpath(os.path.join(folder, target)) if target else os.path.join(ROOT, page)
+            if "://" in target:
+                continue
+            if not os.path.exists(path):
                 problems.append(f"{page}: link to {target}, which does not exist")
+            elif anchor:
+                cited = texts.get(relative(path)) or open(path).read()
+                if anchor not in heading_anchors(cited):
+                    problems.append(f"{page}: link to {target}#{anchor}, a section that {relative(path)} lacks")
         for match in re.finditer(r"(?<![\w/.(-])((?:docs|shared|benchmarks|tests|exercises)/[\w./-]+\.md|"
                                  r"(?:README|CHANGELOG)\.md)\b", prose(text)):
             if EXTERNAL_CONTEXT.search(prose(text)[max(0, match.start() - 60):match.start()]):
@@ -1000,6 +1013,8 @@ PLANTED_EDITS = [
     ("an rlhf.md table value", "docs/rlhf.md", "| +2.343 ± 0.227 |", "| +2.343 ± 0.272 |", rlhf_table_problems),
     ("a prose number citing a JSON", "docs/speed.md", "waits 15.8-19.9 s", "waits 16 s", cited_number_problems),
     ("a cited .md path", "docs/ppg.md", "[reliability.md](reliability.md)", "[reliability.md](reliable.md)",
+     cited_page_problems),
+    ("a cited section", "docs/ppo.md", "speed.md#gpu-one-h200-measured-once", "speed.md#gpu-not-measured-yet",
      cited_page_problems),
 ]
 
