@@ -230,6 +230,21 @@ def read_run(path):
     return run
 
 
+def nothing_to_report(run):
+    """Why the run has nothing to draw or score yet (None if it has something): no rows at all (started, not yet
+    through its first iteration, or stopped at start-up), no training row, or neither a finished episode nor an
+    evaluation."""
+    why = f" ({run.partial})" if run.partial and not run.partial.startswith("ends at step") else ""
+    if not run.rows:
+        return "no rows yet" + why
+    if not any("charts/episodic_return" in row for row in run.rows):
+        return f"no training rows yet (only {len(run.rows)} evaluation rows)"
+    if not any(row.get("charts/episodic_return") is not None or row.get("eval/episodic_return") is not None
+               for row in run.rows):
+        return "no finished episode yet and no evaluation"
+    return None
+
+
 def find_runs(folder):
     """Every folder under `folder` that holds an args.json, sorted by path."""
     if not os.path.isdir(folder):
@@ -623,6 +638,7 @@ def main(argv=None):
     # 1. Read every run, then group by (mode, game) and algorithm, one run per seed.
     candidates = {}
     skipped = []
+    waiting = []  # runs with nothing to report yet: one line each, left out of every figure and table
     for path in find_runs(args.runs):
         try:
             run = read_run(path)
@@ -631,6 +647,9 @@ def main(argv=None):
             continue
         if run.args.get("eval_only"):
             skipped.append(f"{path}: an --eval-only run")
+            continue
+        if nothing_to_report(run):  # before the seeds are matched, so that it cannot displace a run with rows
+            waiting.append((path, nothing_to_report(run)))
             continue
         candidates.setdefault((run.mode, run.game, run.algorithm, run.seed), []).append(run)
     groups = {}
@@ -643,14 +662,17 @@ def main(argv=None):
         groups.setdefault((mode, game), {}).setdefault(algorithm, []).append(kept)
     runs = [run for algorithms in groups.values() for seeds in algorithms.values() for run in seeds]
     if not runs:
-        raise SystemExit(f"error: no readable runs under {args.runs!r} ({len(skipped)} skipped; the first: "
-                         f"{skipped[0]})")
+        first = ([f"{path}: {why}" for path, why in waiting] + skipped)[0]
+        raise SystemExit(f"error: no run under {args.runs!r} has anything to report yet ({len(waiting)} without rows, "
+                         f"{len(skipped)} skipped; the first: {first})")
     print(f"{len(runs)} runs under {args.runs}: " + "; ".join(
         f"{game} ({mode}): " + ", ".join(f"{algorithm} x{len(seeds)}" for algorithm, seeds in algorithms.items())
         for (mode, game), algorithms in sorted(groups.items())))
     for run in runs:
         if run.partial:
             print(f"partial: {run.path}: {run.partial}")
+    for path, why in waiting:
+        print(f"left out: {path}: {why}")
     for line in skipped:
         print(f"skipped: {line}")
     for algorithm in sorted({run.algorithm for run in runs}):
@@ -668,7 +690,7 @@ def main(argv=None):
         lines = on_track(groups)
         print("\n".join(lines) if lines else "on track: no run matches a reference (game, mode and algorithm; see "
                                               "match_references in benchmarks/reference/on_track.py)")
-        return dict(runs=runs, groups=groups, on_track=lines, missing_anchors=missing)
+        return dict(runs=runs, groups=groups, on_track=lines, missing_anchors=missing, left_out=waiting)
 
     # 2. Learning curves: one figure per game and mode, each algorithm in the same colour everywhere.
     order = lambda algorithm: (ORDER.get(algorithm, len(ORDER)), algorithm)
@@ -718,10 +740,10 @@ def main(argv=None):
                f"{args.reps} --confidence {args.confidence} --seed {args.seed}"
                + ("" if args.reference else " --no-reference"))
     partial_runs = [f"- `{run.path}`: {run.partial}" for run in runs if run.partial]
-    if partial_runs:
-        lines_out = lines + ["Partial runs (read up to their last complete row):", ""] + partial_runs
-    else:
-        lines_out = lines
+    lines_out = lines + (["Partial runs (read up to their last complete row):", ""] + partial_runs if partial_runs
+                         else [])
+    if waiting:
+        lines_out += ["", "Left out, with nothing to report yet:", ""] + [f"- `{path}`: {why}" for path, why in waiting]
     text = "\n".join([f"# Results from {len(runs)} runs", "", f"`{command}`", ""] + lines_out) + "\n"
     write_atomically(os.path.join(out, "aggregate.md"), text.encode())
     if aggregates:
@@ -729,7 +751,7 @@ def main(argv=None):
     print("\n" + "\n".join(lines))
     print(f"wrote {out}/: " + ", ".join(sorted(os.listdir(out))))
     return dict(runs=runs, groups=groups, aggregates=aggregates, reference=comparisons, out=out,
-                missing_anchors=missing)
+                missing_anchors=missing, left_out=waiting)
 
 
 if __name__ == "__main__":

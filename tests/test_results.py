@@ -3,6 +3,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,6 +283,50 @@ def test_partial_runs_and_duplicate_seeds(tmp_path):
     kept = summary["groups"][("easy", "bigfish")]["PPO"]
     assert sorted(run.path for run in kept) == sorted(str(tmp_path / f"bigfish__ppo_procgen__{seed}__{1000 + seed}")
                                                        for seed in (1, 2))
+
+
+def test_runs_with_nothing_to_report_yet_get_one_line_each(tmp_path, capsys):
+    """A sweep in progress: beside a finished run, one run whose metrics.jsonl is still empty, one with evaluation rows
+    only, one whose only row is cut off, and one with no metrics.jsonl. Each is listed once with what it lacks and left
+    out of the figures and tables; the finished run is reported as alone; with nothing to report, a one-line error."""
+    runs = tmp_path / "runs"
+    write_run(runs, "ppo_procgen", "bigfish", 1, 5.0)
+    empty = write_run(runs, "ppo_procgen", "bigfish", 2, 5.0)
+    open(os.path.join(empty, "metrics.jsonl"), "w").close()
+    evaluations_only = write_run(runs, "ppo_procgen", "starpilot", 3, 5.0)
+    with open(os.path.join(evaluations_only, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"global_step": 0, "iteration": 0, "eval/episodic_return": 1.5}) + "\n")
+    cut = write_run(runs, "ppo_procgen", "bigfish", 4, 5.0)
+    with open(os.path.join(cut, "metrics.jsonl"), "w") as f:
+        f.write('{"global_step": 512, "iter')
+    no_file = write_run(runs, "ppg_procgen", "bigfish", 1, 5.0)
+    os.remove(os.path.join(no_file, "metrics.jsonl"))
+    lacking = {empty: "no rows yet", evaluations_only: "no training rows yet (only 1 evaluation rows)",
+               cut: "no rows yet (metrics.jsonl line 1 cut off; read up to line 0)",
+               no_file: "no rows yet (no metrics.jsonl)"}
+
+    summary = results.main([str(runs), "--reps", "1000", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert [(run.seed, run.algorithm) for run in summary["runs"]] == [(1, "PPO")]
+    assert sorted(summary["left_out"]) == sorted(lacking.items())
+    for path, why in lacking.items():
+        assert out.count(path) == 1 and f"left out: {path}: {why}" in out, out
+    assert sorted(os.listdir(tmp_path / "out")) == ["aggregate.md", "aggregate.png", "bigfish_easy.png"]
+    table = (tmp_path / "out" / "aggregate.md").read_text()
+    assert "| PPO | 1 |" in table and "starpilot" not in table.split("Left out")[0]
+    assert all(f"`{path}`: {why}" in table for path, why in lacking.items())
+
+    summary = results.main([str(runs), "--on-track"])
+    assert [run.seed for run in summary["runs"]] == [1] and len(summary["left_out"]) == len(lacking)
+    out = capsys.readouterr().out
+    assert all(f"left out: {path}: {why}" in out for path, why in lacking.items())
+
+    # Nothing to report at all: a nonzero exit with one line, from the command line as from main().
+    shutil.rmtree(runs / "bigfish__ppo_procgen__1__1001")
+    finished = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "results.py"), str(runs),
+                               "--on-track"], capture_output=True, text=True)
+    assert finished.returncode != 0 and "Traceback" not in finished.stderr, finished.stderr
+    assert finished.stderr.strip().count("\n") == 0 and "has anything to report yet" in finished.stderr
 
 
 def test_one_line_errors(tmp_path):
