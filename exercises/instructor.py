@@ -661,8 +661,8 @@ def grade_submission(scripts, refused, exercises, student, secret, limits=None, 
     total_max = round(sum(grading.score(r)[1] for r in graded.values()), 2)
     lines.append(f"total: {total_points:g} / {total_max:g} points ({seconds:.1f} s; the learning curve is "
                  "informational and gives no points)")
-    result = {"student": sandbox.display(student), "seed": seed, "files": names, "seconds": round(seconds, 2),
-              "process": ended, "points": total_points, "max_points": total_max,
+    result = {"student": sandbox.display(student), "seed": seed, "files": names, "not_read": list(refused.values()),
+              "seconds": round(seconds, 2), "process": ended, "points": total_points, "max_points": total_max,
               "exercises": {exercise: {"points": round(grading.score(results)[0], 2),
                                        "max_points": round(grading.score(results)[1], 2),
                                        "cases": [dict(dataclasses.asdict(r), passed=r.passed) for r in results]}
@@ -682,7 +682,8 @@ def failed_result(student, names, exercises, reason):
     parts = {exercise: {"points": 0.0, "max_points": EXERCISE_POINTS, "cases": [
         {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
          "passed": False}]} for exercise in exercises}
-    result = {"student": sandbox.display(student), "seed": None, "files": sorted(names), "seconds": 0.0,
+    result = {"student": sandbox.display(student), "seed": None, "files": sorted(names), "not_read": [],
+              "seconds": 0.0,
               "process": reason, "points": 0.0, "max_points": float(EXERCISE_POINTS * len(exercises)),
               "exercises": parts}
     return result, f"student {sandbox.display(student)}: {reason}"
@@ -866,9 +867,33 @@ def gradescope_bundle(exercise, out, secret):
     os.replace(out + ".part", out)
 
 
-def gradescope_results(result, text):
+def visible_report(result):
+    """The report a student sees before grades are published: the visible cases only, each exercise's points on
+    them, and how many hidden cases wait; no hidden case's input, verdict or hint, no total and no seed (which,
+    with the published grader, would let one recompute the hidden cases), no name or email."""
+    lines = [f"graded: {', '.join(result['files']) or 'no file'}"]
+    lines += [f"not read: {why}" for why in result["not_read"]]
+    if result["process"] != "ok":
+        lines.append(f"the submission's process: {result['process']}")
+    for exercise, part in result["exercises"].items():
+        cases = [grading.Result(**{key: value for key, value in case.items() if key != "passed"})
+                 for case in part["cases"]]
+        shown = [case for case in cases if not case.hidden]
+        points, total = grading.score(shown)
+        lines.append(f"exercise {exercise}: {points:.2f} / {total:.0f} points on the visible cases")
+        lines += grading.report_lines(shown)
+        hidden = len(cases) - len(shown)
+        if hidden:
+            worth = round(grading.score(cases)[1] - total, 2)
+            lines.append(f"  {hidden} hidden cases ({worth:g} points): their results and the total are shown once "
+                         "grades are published")
+    return "\n".join(lines)
+
+
+def gradescope_results(result):
     """Gradescope's results.json (gradescope-autograders.readthedocs.io, "Autograder Specifications"): the score,
-    the report as the submission's output, one test per case (hidden cases shown once grades are published)."""
+    the visible cases' report as the submission's output (visible at once), one test per case (hidden cases shown
+    once grades are published)."""
     tests = []
     for exercise, part in result["exercises"].items():
         for case in part["cases"]:
@@ -876,20 +901,29 @@ def gradescope_results(result, text):
                           "score": round(case["points"], 4), "max_score": round(case["max_points"], 4),
                           "output": sandbox.printable_text(case["message"][:20000]),
                           "visibility": "after_published" if case["hidden"] else "visible"})
-    return {"score": result["points"], "output": sandbox.printable_text(text[:REPORT_CHARS]),
+    return {"score": result["points"], "output": sandbox.printable_text(visible_report(result)[:REPORT_CHARS]),
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
 
 
 def gradescope_student(root):
     """The seed's name: the first submitter's email in submission_metadata.json (Gradescope writes it; the
-    student cannot), or "submission" without one."""
+    student cannot), or "submission" without one. As root the file is made root's and closed to others first:
+    it holds the submitters' names and emails and their earlier submissions' results, hidden tests included,
+    which the submission's code must not read."""
     try:
-        with open(os.path.join(root, "submission_metadata.json")) as f:
-            users = json.load(f).get("users") or []
-        email = users[0].get("email")
-        return email if isinstance(email, str) and email else "submission"
-    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        descriptor = os.open(os.path.join(root, "submission_metadata.json"), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
         return "submission"
+    with os.fdopen(descriptor) as f:
+        if os.geteuid() == 0:
+            os.fchown(descriptor, 0, 0)
+            os.fchmod(descriptor, 0o600)
+        try:
+            users = json.load(f).get("users") or []
+            email = users[0].get("email")
+        except (OSError, ValueError, AttributeError, IndexError, TypeError):
+            return "submission"
+    return email if isinstance(email, str) and email else "submission"
 
 
 def gradescope_run(exercise, secret, limits):
@@ -913,8 +947,7 @@ def gradescope_run(exercise, secret, limits):
     except Exception as error:  # a crash of the grader's: a 0 with its reason, never a missing results.json
         reason = f"not graded: {type(error).__name__}: {str(error)[:2000]}"
         result, text = failed_result(student, [], [exercise], reason)
-    grading.write_atomic(os.path.join(results, "results.json"), json.dumps(gradescope_results(result, text),
-                                                                           indent=1))
+    grading.write_atomic(os.path.join(results, "results.json"), json.dumps(gradescope_results(result), indent=1))
     print(sandbox.printable_text(text[:REPORT_CHARS]))
     return 0
 

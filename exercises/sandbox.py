@@ -116,14 +116,19 @@ def read_bytes(descriptor, limit):
 
 def read_script(name, folder_descriptor):
     """The bytes of the script `name` of a student's folder (open as `folder_descriptor`), or None when it has none.
-    Refused(why) unless it is a regular file (no link, FIFO or device) of the folder's owner, at most SCRIPT_BYTES
-    long: the parent reads with privileges the student lacks (root's), so it never reads what a name points to."""
+    Refused(why) unless it is a regular file (no link, hard or symbolic, FIFO or device) of the folder's owner, on
+    its file system, at most SCRIPT_BYTES long: the parent reads with privileges the student lacks (root's), so it
+    never reads what a name points to."""
     descriptor = open_entry(name, folder_descriptor)
     if descriptor is None:
         return None
     try:
-        if os.fstat(descriptor).st_uid != os.fstat(folder_descriptor).st_uid:
+        found, folder = os.fstat(descriptor), os.fstat(folder_descriptor)
+        if found.st_uid != folder.st_uid:
             raise Refused(f"{name} belongs to another user than the student's folder: it is not read")
+        if found.st_nlink != 1 or found.st_dev != folder.st_dev:  # where every file is root's, the owner tells
+            # nothing: a hard link to a grader's file (the secret) would pass
+            raise Refused(f"{name} is a hard link (another name of a file elsewhere): it is not read")
         data = read_bytes(descriptor, SCRIPT_BYTES)
     finally:
         os.close(descriptor)
@@ -355,6 +360,64 @@ def cgroup_v2_base():
         return None
 
 
+GRADER_MARGIN = 512 << 20  # what stays for the grader (its own process and the zygote) below the memory left
+
+
+def memory_left():
+    """The bytes that this process and its children may still take, or None where nothing says: the least of
+    the machine's MemAvailable and, for its memory cgroup and every one above it (a container's, a job's), the
+    cgroup's limit less its usage (less the page cache it may drop, as `docker stats` counts)."""
+    left = []
+    try:
+        with open("/proc/meminfo") as f:
+            left += [int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    if os.path.exists(os.path.join(CGROUP, "cgroup.controllers")):
+        tree, path = CGROUP, own_cgroup("")
+        names = ("memory.max", "memory.current", "inactive_file")
+    else:
+        tree, path = os.path.join(CGROUP, "memory"), own_cgroup("memory")
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    parts = [part for part in (path or "").split("/") if part]
+    for depth in range(len(parts), -1, -1):
+        folder = os.path.join(tree, *parts[:depth])
+        try:
+            with open(os.path.join(folder, names[0])) as f:
+                limit = f.read().strip()
+            with open(os.path.join(folder, names[1])) as f:
+                used = int(f.read())
+            with open(os.path.join(folder, "memory.stat")) as f:
+                cache = sum(int(line.split()[1]) for line in f if line.split()[0] == names[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if limit != "max" and int(limit) < 1 << 62:  # v1 writes "no limit" as a number near 2**63
+            left.append(int(limit) - max(used - cache, 0))
+    return min(left) if left else None
+
+
+def within_memory(limits):
+    """`limits` with its memory lowered to what the machine has left less GRADER_MARGIN (at least 64 MiB): where
+    a container's memory is below the sandbox's limit, the submission, not the grader, meets the limit."""
+    left = memory_left()
+    if left is None:
+        return limits
+    return dataclasses.replace(limits, memory_bytes=max(min(limits.memory_bytes, left - GRADER_MARGIN), 64 << 20))
+
+
+def oom_kills(folders):
+    """How many of the submission's processes its memory cgroup killed at the limit (0 where none says)."""
+    for folder in folders:
+        for name in ("memory.events", "memory.oom_control"):  # cgroup v2's, v1's
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    counts = dict(line.split() for line in f if len(line.split()) == 2)
+                return int(counts.get("oom_kill", 0))
+            except (OSError, ValueError):
+                continue
+    return 0
+
+
 def cgroup_folders(uid, limits):
     """As root: cgroups of the submission's own, with its memory (memory_bytes) and process count (processes)
     summed over all its processes; the folders made, which the child joins (sandbox_child.join_cgroups). cgroup v2
@@ -389,8 +452,23 @@ def cgroup_folders(uid, limits):
 
 
 def remove_cgroups(folders):
-    """Remove the submission's cgroups once its processes are gone (a killed one may take a moment to leave)."""
+    """Remove the submission's cgroups: every process still in one is killed first (cgroup v2's cgroup.kill, else
+    each pid of cgroup.procs), then the folder goes once they have left (a killed one may take a moment)."""
     for folder in folders:
+        try:
+            with open(os.path.join(folder, "cgroup.kill"), "w") as f:
+                f.write("1")
+        except OSError:
+            try:
+                with open(os.path.join(folder, "cgroup.procs")) as f:
+                    pids = [int(pid) for pid in f.read().split()]
+            except (OSError, ValueError):
+                pids = []
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         for _ in range(50):
             try:
                 os.rmdir(folder)
@@ -492,7 +570,8 @@ def kill_all_of(uid, group):
     """Stop the child's process group, and (with a uid of its own) every process of that uid: a fork that left
     the group (setsid) is gone too."""
     try:
-        os.killpg(group, signal.SIGKILL)
+        if group is not None:  # None: the zygote never said which pid the child had
+            os.killpg(group, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     if uid is not None:
@@ -617,13 +696,14 @@ def run_child(scripts, requests, limits, uid, zygote):
     in the shared temporary folders and System V IPC is removed."""
     outer, home = prepare_folder(scripts, uid)
     private = results_folder(limits)  # root's own: the child opens its files before dropping
+    limits = within_memory(limits)
     cgroups = cgroup_folders(uid, limits) if uid is not None else []
     try:
         request = child_request(sorted(scripts), requests, limits, uid, preload_list(scripts), cgroups)
         with open(os.path.join(private, "request.json"), "w") as f:
             json.dump(request, f, allow_nan=True)
         deadline = time.monotonic() + limits.seconds
-        number = zygote.start(home, private)
+        number, pid = zygote.start(home, private), None
         try:
             pid = zygote.wait_for(number, "pid", deadline)
             if pid is None:
@@ -634,9 +714,10 @@ def run_child(scripts, requests, limits, uid, zygote):
                 ended = "timed out"
                 kill_all_of(uid, pid)
                 returncode = zygote.wait_for(number, "returncode", time.monotonic() + 30)
-            kill_all_of(uid, pid)
-        finally:
+        finally:  # after a ZygoteError too: no process of the submission outlives its grading
             zygote.forget(number)
+            kill_all_of(uid, pid)
+            killed = oom_kills(cgroups)
             if uid is not None:
                 sweep(uid)
                 remove_cgroups(cgroups)
@@ -644,6 +725,9 @@ def run_child(scripts, requests, limits, uid, zygote):
         tail = tail_of(os.path.join(private, "err")).strip().splitlines()
         if ended == "ok" and returncode == -signal.SIGXCPU:
             ended = "timed out (its CPU time limit)"
+        elif ended == "ok" and returncode == -signal.SIGKILL and killed:
+            ended = (f"killed at its memory limit ({limits.memory_bytes >> 20} MiB for all its processes together: "
+                     "the sandbox's limit or what the machine had left for it)")
         elif ended == "ok" and returncode != 0:
             ended = tail[-1][:TEXT_CHARS] if tail else f"the process ended with status {returncode}"
         return lines, ended

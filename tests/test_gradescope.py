@@ -3,8 +3,10 @@ out as Gradescope's /autograder ($AUTOGRADER_ROOT), and its own run_autograder r
 and a hostile submission; results.json must follow Gradescope's schema (gradescope-autograders.readthedocs.io,
 "Autograder Specifications"), and the hostile one reads neither the references nor the secret and cannot write
 results.json itself."""
+import contextlib
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -57,10 +59,20 @@ def bundle(tmp_path_factory):
     return out
 
 
-def run_bundle(bundle, source_text):
+PREVIOUS = "PREVIOUS-HIDDEN-OUTPUT-7f3e"  # a hidden test's output of an earlier submission, in the metadata
+METADATA = {"id": 1, "users": [{"email": "student@example.edu", "name": "A Student", "id": 7},
+                               {"email": "partner@example.edu", "name": "A Partner", "id": 8}],
+            "previous_submissions": [{"score": 20.0, "results": {"tests": [
+                {"name": "gae: hidden case", "output": PREVIOUS, "visibility": "after_published"}]}}]}
+
+
+def run_bundle(bundle, source_text, hardlink=None, memory_cap=None):
     """Lay out /autograder in a folder every user may cross (as Gradescope's is), unpack the bundle into source/
-    (files 0644: the zip's modes are not applied),
-    run its run_autograder as root; returns (results.json, the folder's root, stdout and stderr)."""
+    (files 0644: the zip's modes are not applied), with submission_metadata.json as Gradescope writes it (the
+    group's names and emails, an earlier submission's results) and, with `hardlink`, that name in the submission a
+    hard link to source/secret; run its run_autograder as root (with `memory_cap`, in a cgroup v1 memory cgroup of
+    that many bytes, as a container's limit); returns (results.json, the folder's root, stdout and stderr, whether
+    results/forged.json was written)."""
     from exercises import sandbox
 
     # Not in /tmp, /var/tmp or /dev/shm, which the child sees as folders of its private /tmp: in the grader's
@@ -79,18 +91,76 @@ def run_bundle(bundle, source_text):
             script = f.read()
         with open(os.path.join(root, "submission", "ppo_procgen.py"), "w") as f:
             f.write(script + source_text.format(root=root))
+        if hardlink:
+            os.link(os.path.join(root, "source", "secret"), os.path.join(root, "submission", hardlink))
         with open(os.path.join(root, "submission_metadata.json"), "w") as f:
-            json.dump({"id": 1, "users": [{"email": "student@example.edu", "name": "A Student", "id": 7}]}, f)
+            json.dump(METADATA, f)
+        os.chmod(os.path.join(root, "submission_metadata.json"), 0o644)
         environment = {key: value for key, value in os.environ.items() if key != "GRADER_SECRET"}
         environment.update(AUTOGRADER_ROOT=root, AUTOGRADER_PYTHON=sys.executable)
-        ran = subprocess.run([os.path.join(root, "run_autograder")], cwd=root, env=environment, capture_output=True,
-                             text=True, timeout=300)
+        with memory_cgroup(memory_cap) as join:
+            ran = subprocess.run([os.path.join(root, "run_autograder")], cwd=root, env=environment,
+                                 capture_output=True, text=True, timeout=300, preexec_fn=join)
         with open(os.path.join(root, "results", "results.json")) as f:
             results = json.load(f)
         forged = os.path.exists(os.path.join(root, "results", "forged.json"))
         return results, root, ran.stdout + ran.stderr, forged
     finally:
         shutil.rmtree(root)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit):
+    """A cgroup v1 memory cgroup of `limit` bytes under this process's own (a container's limit), or nothing
+    with None; yields what joins it (a preexec_fn). On leaving, it must hold no process and no sub-cgroup: what
+    the grader leaves behind fails the test (and is then cleared)."""
+    if limit is None:
+        yield None
+        return
+    from exercises import sandbox
+
+    own = sandbox.own_cgroup("memory")
+    base = os.path.join(sandbox.CGROUP, "memory", (own or "").lstrip("/"))
+    if os.path.exists(os.path.join(sandbox.CGROUP, "cgroup.controllers")) or not os.access(base, os.W_OK):
+        pytest.skip("needs a writable cgroup v1 memory hierarchy to stand for a container's limit")
+    folder = tempfile.mkdtemp(dir=base, prefix="autograder_test_")  # mkdir in cgroupfs makes a cgroup
+    with open(os.path.join(folder, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+
+    def join():
+        with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+            f.write("0")
+
+    try:
+        yield join
+    finally:
+        left = [entry.name for entry in os.scandir(folder) if entry.is_dir()]
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            members = [int(pid) for pid in f.read().split()]
+        for pid in members:
+            os.kill(pid, signal.SIGKILL)
+        for name in left:
+            sandbox.remove_cgroups([os.path.join(folder, name)])
+        sandbox.remove_cgroups([folder])
+    assert not left and not members, (left, members)
+
+
+def submission_processes():
+    """The pids of every live process that runs as a submission's uid (the sandbox's uids start at UID_BASE). A
+    zombie is dead, holds no memory and runs nothing: it waits for its new parent (pid 1) to reap it."""
+    from exercises import sandbox
+
+    pids = []
+    for entry in os.scandir("/proc"):
+        try:
+            with open(os.path.join(entry.path, "status")) as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+        if uid >= sandbox.UID_BASE and state != "Z":
+            pids.append(int(entry.name))
+    return pids
 
 
 def check_schema(results):
@@ -146,3 +216,107 @@ def test_a_grader_that_cannot_grade_still_writes_a_zero_with_its_reason(bundle, 
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert results["score"] == 0 and "not graded" in results["output"]
     assert results["tests"] and all(test["score"] == 0 for test in results["tests"])
+
+
+METADATA_READER = WRONG + '''
+def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    try:
+        with open("{root}/submission_metadata.json") as _f:
+            _text = _f.read()
+    except OSError as _error:
+        _text = type(_error).__name__
+    raise RuntimeError("METADATA " + _text)
+'''
+MEMORY_HOG = '''
+import os as _os
+import select as _select
+import sys as _sys
+import time as _time
+
+# 40 processes of 80 MB each, more than the container holds, each a fresh small interpreter (so that the
+# grader and its zygote, which hold torch, are the container's largest processes) that lives on after the grade.
+# The submission waits until each has its 80 MB or has died, so that the memory is taken before it is graded.
+_ready, _tell = _os.pipe()
+_HOLD = ("import os, time; block = bytes(80_000_000).replace(bytes(1), bytes([1])); os.write(%d, b'.'); "
+         "time.sleep(120)" % _tell)
+_children = 0
+for _ in range(40):
+    try:
+        _pid = _os.fork()
+    except OSError:
+        break
+    if _pid == 0:
+        _os.set_inheritable(_tell, True)
+        for _python in (_sys.executable, "/usr/bin/python3"):  # the first this uid may run
+            try:
+                _os.execv(_python, [_python, "-I", "-S", "-c", _HOLD])
+            except OSError:
+                pass
+        _os._exit(0)
+    _children += 1
+_settled, _deadline = 0, _time.monotonic() + 60
+while _settled < _children and _time.monotonic() < _deadline:
+    if _select.select([_ready], [], [], 0.1)[0]:
+        _settled += len(_os.read(_ready, 64))
+    while _settled < _children:
+        try:
+            _pid, _ = _os.waitpid(-1, _os.WNOHANG)
+        except ChildProcessError:
+            break
+        if _pid == 0:
+            break
+        _settled += 1
+'''
+
+
+def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(bundle):
+    from exercises import instructor
+
+    for source in ("", WRONG):
+        results, _, log, _ = run_bundle(bundle, source)
+        check_schema(results)
+        hidden = [test["name"].split(": ", 1)[1] for test in results["tests"]
+                  if test["visibility"] == "after_published"]
+        shown = [test["name"].split(": ", 1)[1] for test in results["tests"] if test["visibility"] == "visible"]
+        assert hidden and shown
+        assert all(name not in results["output"] for name in hidden), results["output"]
+        assert all(name in results["output"] for name in shown)
+        seed = instructor.submission_seed(SECRET, METADATA["users"][0]["email"])
+        assert str(seed) not in results["output"] and "seed" not in results["output"]
+        assert "total" not in results["output"].split("hidden cases", 1)[0]
+        assert all(user["email"] not in results["output"] for user in METADATA["users"])
+    wrong = [test for test in results["tests"] if test["score"] < test["max_score"]]
+    assert any(test["visibility"] == "after_published" for test in wrong)  # their hints wait for publication
+
+
+def test_the_metadata_file_is_out_of_the_submissions_reach(bundle):
+    results, _, log, _ = run_bundle(bundle, METADATA_READER)
+    check_schema(results)
+    text = json.dumps(results)
+    assert "METADATA PermissionError" in text, log[-3000:]
+    assert PREVIOUS not in text and "partner@example.edu" not in text
+
+
+def test_a_hard_link_to_a_grader_file_is_refused(bundle):
+    results, _, log, _ = run_bundle(bundle, "", hardlink="vtrace.py")
+    check_schema(results)
+    text = json.dumps(results)
+    assert SECRET not in text and SECRET not in log
+    assert "vtrace.py is a hard link" in results["output"], results["output"]
+
+
+def test_a_submission_past_the_containers_memory_meets_its_own_limit(bundle):
+    """Under a container's 3 GiB the submission forks 40 processes of 80 MB: its own cgroup, below what the
+    container has left, stops it; the grader writes its grade, and nothing of it outlives the grade."""
+    from exercises import sandbox
+
+    pids = os.path.join(sandbox.CGROUP, "pids", (sandbox.own_cgroup("pids") or "").lstrip("/"))
+    before, cgroups = set(submission_processes()), set(os.listdir(pids))
+    results, _, log, _ = run_bundle(bundle, MEMORY_HOG, memory_cap=3 << 30)
+    check_schema(results)
+    text = json.dumps(results) + log
+    assert "ZygoteError" not in text and "not graded" not in text, log[-3000:]
+    # Graded in full (its limit killed only the 80 MB processes) or 0 with the reason (it killed the submission's).
+    assert results["score"] == 40 or "killed at its memory limit" in results["output"], results["output"][:3000]
+    assert set(submission_processes()) <= before
+    assert not [entry for entry in set(os.listdir(pids)) - cgroups if entry.startswith("course_grader_")]
