@@ -365,6 +365,29 @@ def test_the_resume_flags_are_listed_exactly():
         assert flags == expected, f"{script}'s RUNTIME_FLAGS"
 
 
+RUN_FOLDER_PARTS = {  # the README's placeholders, as a run's folder spells them
+    "env": lambda args: re.escape(args.env_id), "exp-name": lambda args: re.escape(args.exp_name),
+    "seed": lambda args: str(args.seed), "unix time": lambda args: "[0-9]{10}",
+    "8 random hex digits": lambda args: "[0-9a-f]{8}"}
+
+
+@pytest.mark.parametrize("script", PROCGEN_SCRIPTS)
+def test_the_readmes_run_folder_is_the_one_a_run_makes(script, tmp_path, monkeypatch):
+    """'What a run writes' names the folder each Procgen script makes, part by part (a stale pattern, such as the
+    old `-2` suffix or a missing random part, fails)."""
+    text = open(os.path.join(ROOT, "README.md")).read().split("## What a run writes", 1)[1]
+    pattern = re.search(r"`runs/([^`]+)/`", text).group(1)
+    parts = re.split(r"<([^>]+)>", pattern)  # literal, placeholder, literal, ...
+    assert set(parts[1::2]) <= set(RUN_FOLDER_PARTS), f"README.md names an unknown part in runs/{pattern}/"
+    module = load(script[:-3])
+    args = module.Args()
+    regex = "".join(re.escape(part) if i % 2 == 0 else RUN_FOLDER_PARTS[part](args)
+                    for i, part in enumerate(parts))
+    monkeypatch.chdir(tmp_path)
+    name, _ = module.run_folder(args, None, rank=0)
+    assert re.fullmatch(regex, name), (pattern, name)
+
+
 def cited_files(text):
     paths = set(re.findall(r"(?:benchmarks|docs)/[\w./-]+\.(?:json|png)", text))
     return {path for path in paths if "<" not in path}
