@@ -192,11 +192,19 @@ def test_the_bundle_holds_what_gradescope_runs(bundle):
             assert checked.returncode == 0, (name, checked.stderr)
 
 
-def test_an_honest_and_a_hostile_wrong_submission_through_run_autograder(bundle):
-    honest, _, log, _ = run_bundle(bundle, "")
+@pytest.fixture(scope="module")
+def graded(bundle):
+    """Three submissions through run_autograder, once each (a few seconds each), for the tests that read them: the
+    honest script, the hostile one, and one that reads the metadata file and hands in vtrace.py as a hard link."""
+    return {"honest": run_bundle(bundle, ""), "hostile": run_bundle(bundle, HOSTILE),
+            "reader": run_bundle(bundle, METADATA_READER, hardlink="vtrace.py")}
+
+
+def test_an_honest_and_a_hostile_wrong_submission_through_run_autograder(graded):
+    honest, _, log, _ = graded["honest"]
     check_schema(honest)
     assert honest["score"] == EXERCISE_POINTS, log[-3000:]
-    hostile, root, log, forged = run_bundle(bundle, HOSTILE)  # a wrong compute_gae too
+    hostile, root, log, forged = graded["hostile"]  # a wrong compute_gae too
     check_schema(hostile)
     text = json.dumps(hostile)
     assert "HOSTILE" in text, log[-3000:]  # it ran and told what it found
@@ -269,11 +277,11 @@ while _settled < _children and _time.monotonic() < _deadline:
 '''
 
 
-def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(bundle):
+def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(graded):
     from exercises import instructor
 
-    for source in ("", WRONG):
-        results, _, log, _ = run_bundle(bundle, source)
+    for name in ("honest", "reader"):  # the reader's compute_gae fails every case
+        results = graded[name][0]
         check_schema(results)
         hidden = [test["name"].split(": ", 1)[1] for test in results["tests"]
                   if test["visibility"] == "after_published"]
@@ -289,17 +297,15 @@ def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(
     assert any(test["visibility"] == "after_published" for test in wrong)  # their hints wait for publication
 
 
-def test_the_metadata_file_is_out_of_the_submissions_reach(bundle):
-    results, _, log, _ = run_bundle(bundle, METADATA_READER)
-    check_schema(results)
+def test_the_metadata_file_is_out_of_the_submissions_reach(graded):
+    results, _, log, _ = graded["reader"]
     text = json.dumps(results)
     assert "METADATA PermissionError" in text, log[-3000:]
     assert PREVIOUS not in text and "partner@example.edu" not in text
 
 
-def test_a_hard_link_to_a_grader_file_is_refused(bundle):
-    results, _, log, _ = run_bundle(bundle, "", hardlink="vtrace.py")
-    check_schema(results)
+def test_a_hard_link_to_a_grader_file_is_refused(graded):
+    results, _, log, _ = graded["reader"]
     text = json.dumps(results)
     assert SECRET not in text and SECRET not in log
     assert "vtrace.py is a hard link" in results["output"], results["output"]
