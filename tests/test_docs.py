@@ -621,6 +621,24 @@ def named_defaults(text):
 
 
 @functools.lru_cache(maxsize=None)
+def argparse_defaults():
+    """{'--flag': [its literal defaults]} of the argparse tools' add_argument calls (read from their source)."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                names = [arg.value for arg in node.args
+                         if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")]
+                for keyword in node.keywords:
+                    if keyword.arg == "default":
+                        with contextlib.suppress(ValueError):
+                            value = ast.literal_eval(keyword.value)
+                            for name in names:
+                                found.setdefault(name, []).append(value)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
 def effective_defaults():
     """Defaults that Args leaves at None for the script to size: their value at the other defaults, one process."""
     ppg = load("ppg_procgen")
@@ -637,6 +655,8 @@ def default_problems(texts):
                 defaults = [flag_defaults(script)[flag] for script in TYRO_SCRIPTS if flag in flag_defaults(script)]
             if flag in effective_defaults():
                 defaults.append(effective_defaults()[flag])
+            if not defaults:  # a benchmark tool's flag
+                defaults = argparse_defaults().get(flag, [])
             if not any(shows(value, default) for default in defaults):
                 problems.append(f"{page}: `{where}`: the default is {defaults or 'unknown'}")
     return problems
