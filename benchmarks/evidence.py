@@ -159,7 +159,8 @@ def markdown(rows):
     return "\n".join(lines + [""] + [f"- {note}" for note in notes]) + "\n"
 
 
-def main(argv=None):
+def parse(argv=None):
+    """The flags, checked: a bad one ends here with one line, before any run starts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/evidence", help="the runs, evidence.md and _results/ go here")
@@ -180,6 +181,11 @@ def main(argv=None):
     if args.minutes <= 0 or args.grace < 0 or args.total_timesteps <= 0:
         parser.error(f"--minutes {args.minutes} and --total-timesteps {args.total_timesteps} must be > 0, "
                      f"--grace {args.grace} >= 0")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
 
     todo, done = plan(args)

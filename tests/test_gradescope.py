@@ -28,10 +28,10 @@ HOSTILE = WRONG + '''
 import os as _os
 
 _found = []
-for _path in ("{root}/source/secret", "{root}/source/exercises/references.py"):
+for _path in ("{root}/source/secret", "{root}/source/exercises/references.py", "{root}/submission_metadata.json"):
     try:
         with open(_path) as _f:
-            _found.append(_f.read()[:200])
+            _found.append(_f.read()[:2000])
     except OSError as _error:
         _found.append(type(_error).__name__)
 for _path in ("{root}/results/results.json", "{root}/results/forged.json"):
@@ -194,10 +194,10 @@ def test_the_bundle_holds_what_gradescope_runs(bundle):
 
 @pytest.fixture(scope="module")
 def graded(bundle):
-    """Three submissions through run_autograder, once each (a few seconds each), for the tests that read them: the
-    honest script, the hostile one, and one that reads the metadata file and hands in vtrace.py as a hard link."""
-    return {"honest": run_bundle(bundle, ""), "hostile": run_bundle(bundle, HOSTILE),
-            "reader": run_bundle(bundle, METADATA_READER, hardlink="vtrace.py")}
+    """Two submissions through run_autograder, once each (a few seconds each), for the tests that read them: the
+    honest script, and the hostile one, which also reads the metadata file and hands in vtrace.py as a hard link
+    to source/secret."""
+    return {"honest": run_bundle(bundle, ""), "hostile": run_bundle(bundle, HOSTILE, hardlink="vtrace.py")}
 
 
 def test_an_honest_and_a_hostile_wrong_submission_through_run_autograder(graded):
@@ -226,15 +226,6 @@ def test_a_grader_that_cannot_grade_still_writes_a_zero_with_its_reason(bundle, 
     assert results["tests"] and all(test["score"] == 0 for test in results["tests"])
 
 
-METADATA_READER = WRONG + '''
-def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
-    try:
-        with open("{root}/submission_metadata.json") as _f:
-            _text = _f.read()
-    except OSError as _error:
-        _text = type(_error).__name__
-    raise RuntimeError("METADATA " + _text)
-'''
 MEMORY_HOG = '''
 import os as _os
 import select as _select
@@ -280,7 +271,7 @@ while _settled < _children and _time.monotonic() < _deadline:
 def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(graded):
     from exercises import instructor
 
-    for name in ("honest", "reader"):  # the reader's compute_gae fails every case
+    for name in ("honest", "hostile"):  # the hostile compute_gae fails every case
         results = graded[name][0]
         check_schema(results)
         hidden = [test["name"].split(": ", 1)[1] for test in results["tests"]
@@ -298,14 +289,14 @@ def test_before_publication_the_visible_output_holds_no_hidden_case_and_no_seed(
 
 
 def test_the_metadata_file_is_out_of_the_submissions_reach(graded):
-    results, _, log, _ = graded["reader"]
+    results, _, log, _ = graded["hostile"]
     text = json.dumps(results)
-    assert "METADATA PermissionError" in text, log[-3000:]
+    assert "HOSTILE PermissionError | PermissionError | PermissionError" in text, log[-3000:]  # the third: metadata
     assert PREVIOUS not in text and "partner@example.edu" not in text
 
 
 def test_a_hard_link_to_a_grader_file_is_refused(graded):
-    results, _, log, _ = graded["reader"]
+    results, _, log, _ = graded["hostile"]
     text = json.dumps(results)
     assert SECRET not in text and SECRET not in log
     assert "vtrace.py is a hard link" in results["output"], results["output"]
