@@ -232,14 +232,14 @@ import select as _select
 import sys as _sys
 import time as _time
 
-# 20 processes of 160 MB each, more than the container holds, each a fresh small interpreter (so that the
+# 12 processes of 270 MB each, more than the container holds, each a fresh small interpreter (so that the
 # grader and its zygote, which hold torch, are the container's largest processes) that lives on after the grade.
-# The submission waits until each has its 160 MB or has died, so that the memory is taken before it is graded.
+# The submission waits until each has its 270 MB or has died, so that the memory is taken before it is graded.
 _ready, _tell = _os.pipe()
-_HOLD = ("import os, time; block = bytes([1]) * 160_000_000; os.write(%d, b'.'); "
+_HOLD = ("import os, time; block = bytes([1]) * 270_000_000; os.write(%d, b'.'); "
          "time.sleep(120)" % _tell)
 _children = 0
-for _ in range(20):
+for _ in range(12):
     try:
         _pid = _os.fork()
     except OSError:
@@ -303,7 +303,7 @@ def test_a_hard_link_to_a_grader_file_is_refused(graded):
 
 
 def test_a_submission_past_the_containers_memory_meets_its_own_limit(bundle):
-    """Under a container's 3 GiB the submission forks 20 processes of 160 MB: its own cgroup, below what the
+    """Under a container's 3 GiB the submission forks 12 processes of 270 MB: its own cgroup, below what the
     container has left, stops it; the grader writes its grade, and nothing of it outlives the grade."""
     from exercises import sandbox
 
@@ -313,7 +313,7 @@ def test_a_submission_past_the_containers_memory_meets_its_own_limit(bundle):
     check_schema(results)
     text = json.dumps(results) + log
     assert "ZygoteError" not in text and "not graded" not in text, log[-3000:]
-    # Graded in full (its limit killed only the 160 MB processes) or 0 with the reason (it killed the submission's).
+    # Graded in full (its limit killed only the 270 MB processes) or 0 with the reason (it killed the submission's).
     assert results["score"] == 40 or "killed at its memory limit" in results["output"], results["output"][:3000]
     assert set(submission_processes()) <= before
     assert not [entry for entry in set(os.listdir(pids)) - cgroups if entry.startswith("course_grader_")]
