@@ -238,7 +238,7 @@ def nothing_to_report(run):
     if not run.rows:
         return "no rows yet" + why
     if not any("charts/episodic_return" in row for row in run.rows):
-        return f"no training rows yet (only {len(run.rows)} evaluation rows)"
+        return f"no training rows yet (only {len(run.rows)} evaluation row{'s' * (len(run.rows) > 1)})"
     if not any(row.get("charts/episodic_return") is not None or row.get("eval/episodic_return") is not None
                for row in run.rows):
         return "no finished episode yet and no evaluation"

@@ -301,7 +301,7 @@ def test_runs_with_nothing_to_report_yet_get_one_line_each(tmp_path, capsys):
         f.write('{"global_step": 512, "iter')
     no_file = write_run(runs, "ppg_procgen", "bigfish", 1, 5.0)
     os.remove(os.path.join(no_file, "metrics.jsonl"))
-    lacking = {empty: "no rows yet", evaluations_only: "no training rows yet (only 1 evaluation rows)",
+    lacking = {empty: "no rows yet", evaluations_only: "no training rows yet (only 1 evaluation row)",
                cut: "no rows yet (metrics.jsonl line 1 cut off; read up to line 0)",
                no_file: "no rows yet (no metrics.jsonl)"}
 
