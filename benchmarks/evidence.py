@@ -207,9 +207,7 @@ def main(argv=None):
     rows = game_rows(args.out)
     table = markdown(rows)
     launch.write_json(os.path.join(args.out, "evidence.json"), rows)
-    with open(os.path.join(args.out, "evidence.md.tmp"), "w") as f:
-        f.write(table)
-    os.replace(os.path.join(args.out, "evidence.md.tmp"), os.path.join(args.out, "evidence.md"))
+    results.write_atomically(os.path.join(args.out, "evidence.md"), table.encode())
     print(table, end="")
     try:
         results.main([args.out, "--out", os.path.join(args.out, "_results"), "--reps", str(args.reps)])

@@ -683,9 +683,8 @@ def failed_result(student, names, exercises, reason):
         {"item": exercise, "points": 0.0, "max_points": EXERCISE_POINTS, "message": reason, "hidden": False,
          "passed": False}]} for exercise in exercises}
     result = {"student": sandbox.display(student), "seed": None, "files": sorted(names), "not_read": [],
-              "seconds": 0.0,
-              "process": reason, "points": 0.0, "max_points": float(EXERCISE_POINTS * len(exercises)),
-              "exercises": parts}
+              "seconds": 0.0, "process": reason, "points": 0.0,
+              "max_points": float(EXERCISE_POINTS * len(exercises)), "exercises": parts}
     return result, f"student {sandbox.display(student)}: {reason}"
 
 

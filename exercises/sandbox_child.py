@@ -256,8 +256,10 @@ def run_job(job, grading):
     """The forked child: one submission, start to end; it never returns into the zygote's loop."""
     try:
         os.setsid()  # a process group of its own, which the parent kills whole
-        try:  # should the machine run out of memory, the kernel kills the submission's processes (they
-            with open("/proc/self/oom_score_adj", "w") as f:  # inherit this) before the grader's
+        # Should the machine run out of memory, the kernel's OOM killer takes the submission's processes
+        # (they inherit this score) before the grader's.
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
         except OSError:
             pass
