@@ -167,6 +167,12 @@ class Args:
     """step half of the games in their threads while the network computes the other half's actions
     (needs an even number of games per rank; the same games and, for the same actions, the same
     trajectories; the network's outputs on half batches may differ from a full batch's in the last bits)"""
+    cuda_graph: bool = False
+    """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
+    and replay it: one launch where eager PyTorch pays host time for each of ~80 kernels. The graph
+    replays the eager step's kernels on fixed tensors and the same random numbers; off by default
+    until a GPU has shown its rollouts equal to the eager ones bit for bit (docs/speed.md). Without
+    CUDA it does nothing"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
@@ -320,23 +326,30 @@ def sample_action(logits, generator=None):
     return torch.argmax(logits - torch.log(-torch.log(uniform)), dim=-1)
 
 
-def policy_step(policy, obs, games=None):
-    """pi's logits, V and a sampled action for every game, and the actions on the host. With `games`
-    (--overlap-games) the network runs on one half of the games at a time and sends that half its
-    actions at once: half A's games step in their own threads while the network computes half B's."""
-    if games is None:
-        logits, value = policy(obs)
-        action = sample_action(logits.float())
-        return logits, value, action, action.cpu().numpy()  # the step's one host sync
+def act(policy, obs):
+    """pi's logits, V, a sampled action and its log-probability for every game in `obs`: device work
+    alone, with no host sync, so that --cuda-graph can capture it as one CUDA graph."""
+    logits, value = policy(obs)
+    action = sample_action(logits.float())
+    return logits, value, action, log_prob_entropy(logits, action)[0]
+
+
+def policy_step(acts, obs, games=None):
+    """An `act` on every game, and the actions on the host. `acts` holds one act per pool of games
+    (two with --overlap-games), eager or captured (--cuda-graph). With `games` (--overlap-games) each
+    half is sent its actions at once: half A's games step in their own threads while the network
+    computes half B's."""
     outputs = []
-    for half, half_obs in enumerate(obs.chunk(games.halves)):
-        logits, value = policy(half_obs)
-        action = sample_action(logits.float())
-        action_cpu = action.cpu().numpy()  # one host sync per half
-        games.send(half, action_cpu)
-        outputs.append((logits, value, action, action_cpu))
-    logits, value, action, action_cpu = zip(*outputs)
-    return torch.cat(logits), torch.cat(value), torch.cat(action), np.concatenate(action_cpu)
+    for half, (act_half, half_obs) in enumerate(zip(acts, obs.chunk(len(acts)))):
+        logits, value, action, log_prob = act_half(half_obs)
+        action_cpu = action.cpu().numpy()  # the step's one host sync (one per half)
+        if games is not None:
+            games.send(half, action_cpu)
+        outputs.append((logits, value, action, log_prob, action_cpu))
+    if len(outputs) == 1:
+        return outputs[0]
+    *tensors, action_cpu = zip(*outputs)
+    return *(torch.cat(halves) for halves in tensors), np.concatenate(action_cpu)
 
 
 def log_prob_entropy(logits, actions):
@@ -583,6 +596,9 @@ def train(args):
     rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
     frames_to_device = FramesToDevice(local_envs, device)
     games = envs.unwrapped if args.overlap_games else None  # the pools that policy_step starts half by half
+    acts = [functools.partial(act, policy)] * (games.halves if games else 1)
+    if args.cuda_graph and device.type == "cuda":  # the same steps, each replayed in one launch
+        acts = [CapturedAct(act_half) for act_half in acts]
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
     kl_beta = run.checkpoint["kl_beta"] if args.resume else kl_beta
     # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
@@ -606,11 +622,11 @@ def train(args):
                 obs[step] = next_obs
                 dones[step] = next_done
                 with torch.no_grad(), autocast():
-                    logits, value, action, action_cpu = policy_step(policy, next_obs, games)
+                    logits, value, action, log_prob, action_cpu = policy_step(acts, next_obs, games)
                 values[step] = value.float()
                 actions[step] = action
                 rollout_logits[step] = logits.float()
-                log_probs[step] = log_prob_entropy(logits, action)[0]
+                log_probs[step] = log_prob
                 env_start = time.perf_counter()
                 frames, reward, terminated, truncated, info = envs.step(action_cpu)
                 env_seconds += time.perf_counter() - env_start
@@ -920,6 +936,41 @@ def rollouts_to_device(buffer, index, device):
     block = torch.empty((len(index), *buffer.shape[1:]), dtype=buffer.dtype, device=buffer.device,
                         pin_memory=buffer.is_pinned())
     return torch.index_select(buffer, 0, index, out=block).to(device, non_blocking=True)
+
+
+class CapturedAct:
+    """--cuda-graph: `act` captured once as a CUDA graph, then replayed at every rollout step. A
+    replay launches the eager step's kernels in one call, on the graph's own input and output
+    tensors: each replay overwrites the last step's outputs, which the rollout has stored by then.
+    The graph draws its random numbers from the default CUDA generator and advances it as the eager
+    calls would, so the actions are the eager path's."""
+
+    def __init__(self, act):
+        self.act, self.graph = act, None
+
+    def __call__(self, obs):
+        if self.graph is None:
+            self.capture(obs)
+        self.obs.copy_(obs)
+        self.graph.replay()
+        return self.outputs
+
+    def capture(self, obs):
+        # Under the caller's no_grad and autocast, with autocast's cache of bf16 weights off: a
+        # cached cast would be replayed with the weights of the step it was made on.
+        dtype, amp = torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda")
+        no_cache = functools.partial(torch.autocast, "cuda", dtype, enabled=amp, cache_enabled=False)
+        self.obs, rng = obs.clone(), torch.cuda.get_rng_state()
+        side = torch.cuda.Stream()  # warm-up, as PyTorch asks: cuDNN and cuBLAS set up first
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), no_cache():
+            for _ in range(3):
+                self.act(self.obs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.set_rng_state(rng)  # the warm-up's draws undone: the run's numbers stay the eager ones
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), no_cache():
+            self.outputs = self.act(self.obs)
 
 
 @dataclass
@@ -1430,6 +1481,8 @@ def check_args(args):
     local_envs = args.num_envs // world_size
     require(not args.overlap_games or local_envs % 2 == 0, f"--overlap-games steps each rank's {local_envs} games "
             "in two equal halves: make --num-envs an even number per rank")
+    require(not (args.cuda_graph and args.compile), "--cuda-graph captures the eager network: use it or "
+            "--compile, not both")
     require(args.minibatch_unit == "frames" or local_envs % args.num_minibatches == 0,
             f"--minibatch-unit games splits each rank's {local_envs} envs into --num-minibatches "
             f"{args.num_minibatches} equal groups: make it a divisor of {local_envs}")

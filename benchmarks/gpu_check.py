@@ -23,8 +23,9 @@ needed. A failed step is recorded and the next one runs.
                               runs side by side sized to the budget; packed into
                               learning.tar.gz as each run ends
   results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
-  ppo-fast        85     100  bench.py: PPO with --overlap-games, with --amp, with --compile (a
-                              cold torch.compile), each alone -> added to ppo.json
+  ppo-fast        85     100  bench.py: PPO with --cuda-graph, with it and --overlap-games, with
+                              --overlap-games, with --amp, with --compile (a cold torch.compile),
+                              in that order -> added to ppo.json
   impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
   nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
@@ -192,7 +193,8 @@ def plan(settings):
     """The steps in the order of their value, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
-    ppo_fast = [("overlap", "--overlap-games"), ("amp", "--amp"), ("compile", "--compile")]
+    ppo_fast = [("graph", "--cuda-graph"), ("graph_overlap", "--cuda-graph --overlap-games"),
+                ("overlap", "--overlap-games"), ("amp", "--amp"), ("compile", "--compile")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
     commands = {
         "preflight": {"command": preflight},

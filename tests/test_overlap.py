@@ -1,6 +1,7 @@
 """--overlap-games: the games in two halves, one half stepping in procgen's threads while the network computes the
 other half's actions. A run with it must play the same episodes as one without it (that the same actions, sent half
 by half, play the same games as one step of the whole vector: tests/test_procgen_backends.py, on both backends)."""
+import functools
 import json
 
 import numpy as np
@@ -29,9 +30,10 @@ class Recorder:
 def test_each_halfs_actions_go_to_its_games_before_the_other_half_is_computed():
     """The overlap itself: half A's games have their actions (and step) while the network runs on half B."""
     recorder = Recorder()
-    logits, value, action, action_cpu = ppo.policy_step(recorder, torch.zeros(8, 64, 64, 3), games=recorder)
+    acts = [functools.partial(ppo.act, recorder)] * 2
+    logits, value, action, log_prob, action_cpu = ppo.policy_step(acts, torch.zeros(8, 64, 64, 3), games=recorder)
     assert recorder.calls == [("forward", 4), ("send", 0), ("forward", 4), ("send", 1)]
-    assert logits.shape == (8, 15) and value.shape == action.shape == action_cpu.shape == (8,)
+    assert logits.shape == (8, 15) and value.shape == action.shape == log_prob.shape == action_cpu.shape == (8,)
 
 
 class Trajectories:

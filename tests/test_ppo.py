@@ -66,6 +66,7 @@ def test_invalid_env_name_is_an_error_not_an_abort():
     (["--num-envs", "0"], "--num-envs 0 must be > 0"),
     (["--eval-only"], "--eval-only needs --checkpoint PATH"),
     (["--resume", "missing.pt"], "--resume missing.pt: no such file"),
+    (["--cuda-graph", "--compile"], "--cuda-graph captures the eager network"),
 ])
 def test_bad_flags_fail_at_once_with_one_line(flags, message, in_tmp):
     start = time.time()

@@ -96,6 +96,29 @@ def test_cuda_advantages_on_the_host_are_the_devices_bit_for_bit():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
+@pytest.mark.parametrize("script", ["ppo_procgen", "ppg_procgen"])
+@pytest.mark.parametrize("flags", [{}, {"overlap_games": True}, {"amp": True}], ids=["eager", "overlap", "amp"])
+def test_cuda_graph_rollouts_are_the_eager_ones_bit_for_bit(script, flags, in_tmp):
+    """--cuda-graph replays the eager rollout step: the same actions, rewards, losses and episodes, to the last bit,
+    over iterations whose updates (and PPG's auxiliary phase) change the weights the graph reads; one graph per
+    half of the games with --overlap-games; with --amp, bf16 casts of the current weights, not of the first step's."""
+    import importlib
+    module = importlib.import_module(script)
+    common = dict(env_id="bigfish", num_envs=8, num_steps=16, num_minibatches=2, total_timesteps=8 * 16 * 3,
+                  channels=(4, 8), hidden_size=16, eval_every=0, eval_episodes=1, cuda=True, seed=5, **flags)
+    if script == "ppg_procgen":
+        common.update(n_pi=1, e_aux=1)
+    runs = {}
+    for graph in (False, True):
+        run_dir = module.train(module.Args(**common, cuda_graph=graph))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        learned = ("global_step", "losses/", "charts/episod", "eval/")  # not the clock's figures
+        runs[graph] = [{key: value for key, value in row.items() if key.startswith(learned)} for row in rows]
+    assert len(runs[False]) >= 3 and runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
 @pytest.mark.parametrize("script", ["ppo_procgen", "ppg_procgen", "vtrace"])
 def test_cuda_fast_path_trains_with_finite_losses(script, in_tmp):
     """On a GPU: the fast path (channels_last, torch.compile, bf16 autocast, cuDNN autotuning) trains every script,
