@@ -179,6 +179,9 @@ class Args:
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
     """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
+    amp_rollout: bool = True
+    """with --amp, the rollout's forward passes in bfloat16 too; --no-amp-rollout keeps them in
+    float32, bfloat16 for the update alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
     aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
     """where B lives: on the GPU when it fits ('auto': in half its free memory), else in host memory"""
     n_aux_grad_accum: int = 1
@@ -576,7 +579,8 @@ def train(args):
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
     aux_obs, aux_value_targets = allocate_buffer(run)  # PPG's buffer B (if auxiliary phases)
-    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
+    amp_rollout = args.amp and args.amp_rollout  # the update's own autocast follows --amp alone
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=amp_rollout)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)

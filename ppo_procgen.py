@@ -165,6 +165,9 @@ class Args:
     """torch.compile the network (pays off on long GPU runs; the first iterations are slow)"""
     amp: bool = False
     """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
+    amp_rollout: bool = True
+    """with --amp, the rollout's forward passes in bfloat16 too; --no-amp-rollout keeps them in
+    float32, bfloat16 for the update alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
 
 
 def make_env(args, num_envs):
@@ -482,7 +485,8 @@ def train(args):
     local_envs = args.num_envs // run.world_size  # this rank's games; --num-envs is global
     batch_size = args.num_envs * args.num_steps
     num_iterations = count_iterations(args, batch_size, device)
-    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
+    amp_rollout = args.amp and args.amp_rollout  # the update's own autocast follows --amp alone
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=amp_rollout)
     agent = Agent(args, num_actions=15).to(device)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)

@@ -24,8 +24,8 @@ needed. A failed step is recorded and the next one runs.
                               learning.tar.gz as each run ends
   results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
   ppo-fast        85     100  bench.py: PPO with --cuda-graph, with it and --overlap-games, with
-                              --overlap-games, with --amp, with --compile (a cold torch.compile),
-                              in that order -> added to ppo.json
+                              --overlap-games, with --amp, with --amp --no-amp-rollout, with
+                              --compile (a cold torch.compile), in that order -> added to ppo.json
   impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
   nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
@@ -194,7 +194,8 @@ def plan(settings):
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
     ppo_fast = [("graph", "--cuda-graph"), ("graph_overlap", "--cuda-graph --overlap-games"),
-                ("overlap", "--overlap-games"), ("amp", "--amp"), ("compile", "--compile")]
+                ("overlap", "--overlap-games"), ("amp", "--amp"), ("amp_update", "--amp --no-amp-rollout"),
+                ("compile", "--compile")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
     commands = {
         "preflight": {"command": preflight},

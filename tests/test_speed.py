@@ -40,6 +40,26 @@ def test_fast_path_gives_the_plain_path_losses(in_tmp, monkeypatch):
     assert np.abs(plain[:2, :2]).sum() > 0  # the comparison is not between zeros
 
 
+@pytest.mark.parametrize("script", ["ppo_procgen", "ppg_procgen"])
+def test_no_amp_rollout_keeps_bf16_to_the_update(script, in_tmp):
+    """--amp --no-amp-rollout: the first rollout is the float32 run's (the same values, so the same explained
+    variance), and its update is --amp's own bf16 one (losses unlike the float32 run's)."""
+    import importlib
+    module = importlib.import_module(script)
+    common = dict(env_id="bigfish", num_envs=4, num_steps=16, num_minibatches=2, total_timesteps=64, channels=(4,),
+                  hidden_size=8, eval_every=0, eval_episodes=1, torch_threads=1, seed=2)
+    if script == "ppg_procgen":
+        common.update(n_pi=1, e_aux=1)
+
+    def first_row(**flags):
+        with open(os.path.join(module.train(module.Args(**common, **flags)), "metrics.jsonl")) as f:
+            return json.loads(f.readline())
+    plain, update_only, both = first_row(), first_row(amp=True, amp_rollout=False), first_row(amp=True)
+    key = "losses/explained_variance"
+    assert update_only[key] == plain[key] != both[key]
+    assert update_only["losses/value_loss"] != plain["losses/value_loss"]
+
+
 def test_threads_default_to_the_cores_for_torch_on_cpu(in_tmp):
     """Rollout steps alternate between the games and the network, so their threads take turns (see start_run): on
     a CPU torch gets the cores and the games one thread; flags given win."""
@@ -76,7 +96,7 @@ def test_gpu_bench_dry_run_flags_parse():
     """The GPU check runs only on a CUDA machine: its every command's flags must parse here first."""
     _, parsed = parsed_commands("")
     assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
-    assert len(parsed) == 1 + 1 + 3 + 2 + 2 + 1, parsed  # ppo-speed, ppg, ppo-fast, impala, learning (2 games), NCCL
+    assert len(parsed) == 1 + 1 + 6 + 2 + 2 + 1, parsed  # ppo-speed, ppg, ppo-fast, impala, learning (2 games), NCCL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
