@@ -60,7 +60,8 @@ ANCHORED = ("ppo_procgen.py",)  # the scripts that baselines PPO is the anchor o
 # Flags that change how a run is run, not what it learns: naming, seed, length, devices, threads,
 # speed-ups, evaluation and saving cadence, logging, resuming.
 RUNTIME_FLAGS = {"script", "exp_name", "seed", "total_timesteps", "cuda", "torch_deterministic", "env_backend",
-                 "env_threads", "torch_threads", "overlap_games", "channels_last", "compile", "eval_every",
+                 "env_threads", "torch_threads", "overlap_games", "cuda_graph", "channels_last", "compile",
+                 "eval_every",
                  "eval_episodes", "capture_video", "track", "wandb_project",
                  "wandb_entity", "wandb_mode", "save_model", "save_every", "resume", "eval_only",
                  "checkpoint"}
@@ -79,7 +80,7 @@ DEFAULTS = {
                        "num_minibatches": 8, "update_epochs": 3, "adv_norm": "minibatch",
                        "policy_loss": "clip", "clip_coef": 0.2, "clip_vloss": True,
                        "ent_coef": 0.01, "vf_coef": 0.5, "target_kl": None, "kl_beta": None,
-                       "kl_estimator": "exact", "minibatch_unit": "frames"},
+                       "kl_estimator": "exact", "minibatch_unit": "frames", "amp_rollout": True},
     "vtrace.py": {**SHARED_DEFAULTS, "num_envs": 32, "rho_bar": 1.0, "c_bar": 1.0,
                   "pg_rho_bar": 1.0, "vtrace_lambda": 1.0, "correction": "vtrace",
                   "unroll_length": 20, "updates_per_iteration": 25, "max_policy_lag": 1,
