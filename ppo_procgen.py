@@ -826,9 +826,10 @@ class CapturedAct:
                 self.act(self.obs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.set_rng_state(rng)  # the warm-up's draws undone: the run's numbers stay the eager ones
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), no_cache():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), no_cache():
             self.outputs = self.act(self.obs)
+        self.graph = graph  # only once whole: a capture that failed is never replayed
 
 
 @dataclass

@@ -118,24 +118,52 @@ def test_cuda_advantages_on_the_host_are_the_devices_bit_for_bit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
 @pytest.mark.parametrize("script", ["ppo_procgen", "ppg_procgen"])
 @pytest.mark.parametrize("flags", [{}, {"overlap_games": True}, {"amp": True}], ids=["eager", "overlap", "amp"])
-def test_cuda_graph_rollouts_are_the_eager_ones_bit_for_bit(script, flags, in_tmp):
-    """--cuda-graph replays the eager rollout step: the same actions, rewards, losses and episodes, to the last bit,
-    over iterations whose updates (and PPG's auxiliary phase) change the weights the graph reads; one graph per
-    half of the games with --overlap-games; with --amp, bf16 casts of the current weights, not of the first step's."""
+def test_cuda_graph_rollouts_are_the_eager_ones_bit_for_bit(script, flags, in_tmp, monkeypatch):
+    """--cuda-graph replays the eager rollout step: every step's logits, values, actions and log-probabilities, the
+    generator's state at the end, and the losses and episodes, to the last bit, over iterations whose updates (and
+    PPG's auxiliary phase) change the weights the graph reads; one graph per half of the games with
+    --overlap-games; with --amp, bf16 casts of the current weights, not of the first step's. (cuDNN's deterministic
+    algorithms, the default, make the eager path repeatable.)"""
     import importlib
     module = importlib.import_module(script)
     common = dict(env_id="bigfish", num_envs=8, num_steps=16, num_minibatches=2, total_timesteps=8 * 16 * 3,
                   channels=(4, 8), hidden_size=16, eval_every=0, eval_episodes=1, cuda=True, seed=5, **flags)
     if script == "ppg_procgen":
         common.update(n_pi=1, e_aux=1)
+    calls = {"capture": 0, "replay": 0}
+
+    class CountedAct(module.CapturedAct):
+        def capture(self, obs):
+            calls["capture"] += 1
+            super().capture(obs)
+
+        def __call__(self, obs):
+            calls["replay"] += 1
+            return super().__call__(obs)
+    monkeypatch.setattr(module, "CapturedAct", CountedAct)
+    policy_step = module.policy_step
     runs = {}
     for graph in (False, True):
+        steps = []
+
+        def recorded(acts, obs, games=None):
+            outputs = policy_step(acts, obs, games)
+            steps.append([x.detach().cpu().clone() for x in outputs[:4]])  # before the next replay
+            return outputs
+        monkeypatch.setattr(module, "policy_step", recorded)
         run_dir = module.train(module.Args(**common, cuda_graph=graph))
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         learned = ("global_step", "losses/", "charts/episod", "eval/")  # not the clock's figures
-        runs[graph] = [{key: value for key, value in row.items() if key.startswith(learned)} for row in rows]
-    assert len(runs[False]) >= 3 and runs[True] == runs[False]
+        runs[graph] = (steps, torch.cuda.get_rng_state(), [{key: value for key, value in row.items()
+                                                            if key.startswith(learned)} for row in rows])
+    halves = 2 if flags.get("overlap_games") else 1
+    assert calls == {"capture": halves, "replay": halves * 16 * 3}  # the graph was used, at every step
+    (eager_steps, eager_rng, eager_rows), (graph_steps, graph_rng, graph_rows) = runs[False], runs[True]
+    assert len(eager_steps) == len(graph_steps) == 16 * 3
+    for eager, graphed in zip(eager_steps, graph_steps):
+        assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+    assert torch.equal(eager_rng, graph_rng) and len(eager_rows) >= 3 and graph_rows == eager_rows
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
