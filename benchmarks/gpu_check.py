@@ -24,8 +24,8 @@ needed. A failed step is recorded and the next one runs.
                               learning.tar.gz as each run ends
   results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
   ppo-fast        85     100  bench.py: PPO with --cuda-graph, with it and --overlap-games, with
-                              --overlap-games, with --amp, with --amp --no-amp-rollout, with
-                              --compile (a cold torch.compile), in that order -> added to ppo.json
+                              --overlap-games, with --amp --no-amp-rollout (bf16 in the update
+                              alone), in that order -> added to ppo.json
   impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
   nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
@@ -39,8 +39,7 @@ Files in OUT, each written whole (a temporary file in OUT, then os.replace) as s
 ends: gpu_bench.log (gpu_bench.sh writes it), summary.json (after every step), ppo.json, ppg.json,
 impala.json (bench.py writes into the work folder, the step's end copies), learning.tar.gz (the
 learning runs' metrics.jsonl, args.json and console logs, packed as each run ends, then with
-results.py's outputs), one figure per game (<game>_<mode>.png) and aggregate.md. Compile time is
-recorded apart from the steady state: bench.py's `warmup_s` of --compile against the defaults'.
+results.py's outputs), one figure per game (<game>_<mode>.png) and aggregate.md.
 
   python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b]
       [--fail-step NAME] [--time-scale 1] [--dry-run]
@@ -193,9 +192,9 @@ def plan(settings):
     """The steps in the order of their value, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
+    # What no GPU has measured yet (--amp and --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json).
     ppo_fast = [("graph", "--cuda-graph"), ("graph_overlap", "--cuda-graph --overlap-games"),
-                ("overlap", "--overlap-games"), ("amp", "--amp"), ("amp_update", "--amp --no-amp-rollout"),
-                ("compile", "--compile")]
+                ("overlap", "--overlap-games"), ("amp_update", "--amp --no-amp-rollout")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
     commands = {
         "preflight": {"command": preflight},
@@ -432,10 +431,6 @@ def bench_numbers(step, settings, entry):
     for result in results:
         result.update(bounds(result, work.get(result["config"])))
     numbers = {"results": results}
-    published = read_json(os.path.join(settings.out, step.output), settings) or {"results": []}
-    by_name = {result["config"]: result for result in published["results"] if "error" not in result}
-    if "defaults" in by_name and "compile" in by_name:  # torch.compile's cost, apart from its steady state
-        numbers["compile_extra_warmup_s"] = by_name["compile"]["warmup_s"] - by_name["defaults"]["warmup_s"]
     return numbers
 
 
