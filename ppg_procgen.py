@@ -169,7 +169,7 @@ class Args:
     trajectories; the network's outputs on half batches may differ from a full batch's in the last bits)"""
     cuda_graph: bool = False
     """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
-    and replay it: one launch where eager PyTorch pays host time for each of ~80 kernels. The graph
+    and replay it: one launch where eager PyTorch pays host time for each of its kernels. The graph
     replays the eager step's kernels on fixed tensors and the same random numbers; off by default
     until a GPU has shown its rollouts equal to the eager ones bit for bit (docs/speed.md). Without
     CUDA it does nothing"""
