@@ -156,9 +156,9 @@ class Args:
     cuda_graph: bool = False
     """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
     and replay it: one launch where eager PyTorch pays host time for each of its kernels. The graph
-    replays the eager step's kernels on fixed tensors and the same random numbers; off by default
-    until a GPU has shown its rollouts equal to the eager ones bit for bit (docs/speed.md). Without
-    CUDA it does nothing"""
+    replays the eager step's kernels on fixed tensors and the same random numbers (with --compile,
+    the update alone runs compiled); off by default until a GPU has shown its rollouts equal to the
+    eager ones bit for bit (docs/speed.md). Without CUDA it does nothing"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
@@ -506,7 +506,7 @@ def train(args):
     games = envs.unwrapped if args.overlap_games else None  # the pools that policy_step starts half by half
     acts = [functools.partial(act, policy)] * (games.halves if games else 1)
     if args.cuda_graph and device.type == "cuda":  # the same steps, each replayed in one launch
-        acts = [CapturedAct(act_half) for act_half in acts]
+        acts = [CapturedAct(functools.partial(act, agent)) for _ in acts]  # the eager network's kernels
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
     kl_beta = run.checkpoint["kl_beta"] if args.resume else kl_beta
     # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.
@@ -1334,8 +1334,6 @@ def check_args(args):
     local_envs = args.num_envs // world_size
     require(not args.overlap_games or local_envs % 2 == 0, f"--overlap-games steps each rank's {local_envs} games "
             "in two equal halves: make --num-envs an even number per rank")
-    require(not (args.cuda_graph and args.compile), "--cuda-graph captures the eager network: use it or "
-            "--compile, not both")
     require(args.minibatch_unit == "frames" or local_envs % args.num_minibatches == 0,
             f"--minibatch-unit games splits each rank's {local_envs} envs into --num-minibatches "
             f"{args.num_minibatches} equal groups: make it a divisor of {local_envs}")

@@ -23,9 +23,10 @@ needed. A failed step is recorded and the next one runs.
                               runs side by side sized to the budget; packed into
                               learning.tar.gz as each run ends
   results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
-  ppo-fast        85     100  bench.py: PPO with --cuda-graph, with it and --overlap-games, with
-                              --overlap-games, with --amp --no-amp-rollout (bf16 in the update
-                              alone), in that order -> added to ppo.json
+  ppo-fast        85     100  bench.py: PPO with --cuda-graph; with every speed flag (the graph,
+                              --overlap-games, bf16 and --compile in the update alone); with the
+                              graph and --overlap-games; --amp --no-amp-rollout; --overlap-games:
+                              in that order -> added to ppo.json
   impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
                               default: acting and learning overlap) -> impala.json
   nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
@@ -192,9 +193,12 @@ def plan(settings):
     """The steps in the order of their value, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
-    # What no GPU has measured yet (--amp and --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json).
-    ppo_fast = [("graph", "--cuda-graph"), ("graph_overlap", "--cuda-graph --overlap-games"),
-                ("overlap", "--overlap-games"), ("amp_update", "--amp --no-amp-rollout")]
+    # What no GPU has measured yet (--amp and --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json),
+    # second every speed flag at once: the graph's rollout, a bf16 and compiled update.
+    ppo_fast = [("graph", "--cuda-graph"),
+                ("fastest", "--cuda-graph --overlap-games --amp --no-amp-rollout --compile"),
+                ("graph_overlap", "--cuda-graph --overlap-games"), ("amp_update", "--amp --no-amp-rollout"),
+                ("overlap", "--overlap-games")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
     commands = {
         "preflight": {"command": preflight},

@@ -245,8 +245,6 @@ def test_bad_ppg_flags_fail_at_once():
         ppg.check_args(ppg.Args(e_v=0))
     with pytest.raises(SystemExit, match="--n-pi 0 must be > 0"):
         ppg.check_args(ppg.Args(n_pi=0))
-    with pytest.raises(SystemExit, match="--cuda-graph captures the eager network: use it or --compile"):
-        ppg.check_args(ppg.Args(cuda_graph=True, compile=True))
 
 
 def read_rows(run_dir):

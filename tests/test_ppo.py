@@ -57,8 +57,6 @@ def test_invalid_env_name_is_an_error_not_an_abort():
         ppo.ProcgenVecEnv(1, "notagame")
     with pytest.raises(SystemExit, match="--env-id 'notagame' is not a Procgen game; choose one of: bigfish"):
         ppo.check_args(ppo.Args(env_id="notagame"))
-    with pytest.raises(SystemExit, match="--cuda-graph captures the eager network: use it or --compile"):
-        ppo.check_args(ppo.Args(cuda_graph=True, compile=True))
 
 
 @pytest.mark.parametrize("flags,message", [
