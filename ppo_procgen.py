@@ -157,8 +157,8 @@ class Args:
     """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
     and replay it: one launch where eager PyTorch pays host time for each of its kernels. The graph
     replays the eager step's kernels on fixed tensors and the same random numbers (with --compile,
-    the update alone runs compiled); off by default until a GPU has shown its rollouts equal to the
-    eager ones bit for bit (docs/speed.md). Without CUDA it does nothing"""
+    all but the captured step runs compiled); off by default until a GPU has shown its rollouts equal
+    to the eager ones bit for bit (docs/speed.md). Without CUDA it does nothing"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
@@ -167,7 +167,7 @@ class Args:
     """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
     amp_rollout: bool = True
     """with --amp, the rollout's forward passes in bfloat16 too; --no-amp-rollout keeps them in
-    float32, bfloat16 for the update alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
+    float32, bfloat16 for the optimization alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
 
 
 def make_env(args, num_envs):

@@ -215,7 +215,7 @@ def test_ppg_policy_and_auxiliary_phases_are_measured_apart():
 def test_every_step_command_parses_at_tiny_and_at_real_flags():
     for tiny in ("", "1"):
         listing, parsed = parsed_commands(tiny)
-        assert len(parsed) == 1 + 1 + 5 + 2 + 2 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
+        assert len(parsed) == 1 + 1 + 4 + 2 + 2 + 1, listing  # ppo-speed, ppg, ppo-fast, impala, learning, NCCL
         assert ("--num-envs 2 " in listing) == bool(tiny)
         assert "--env-id bigfish --distribution-mode hard" in listing  # the learning check's second game
 

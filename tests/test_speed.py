@@ -96,7 +96,7 @@ def test_gpu_bench_dry_run_flags_parse():
     """The GPU check runs only on a CUDA machine: its every command's flags must parse here first."""
     _, parsed = parsed_commands("")
     assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
-    assert len(parsed) == 1 + 1 + 5 + 2 + 2 + 1, parsed  # ppo-speed, ppg, ppo-fast, impala, learning (2 games), NCCL
+    assert len(parsed) == 1 + 1 + 4 + 2 + 2 + 1, parsed  # ppo-speed, ppg, ppo-fast, impala, learning (2 games), NCCL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
