@@ -170,8 +170,22 @@ NEEDS = {
 }
 
 
+# The test files by their CPU time, longest first (docs/testing.md). pytest.ini's --no-loadscope-reorder makes the
+# two workers take the files in this order, each the next one as it finishes, so that neither is left with a long
+# file at the end while the other waits; the GPU check's module comes first, so that its dry run runs in the
+# background of the whole suite. Files not named follow, in the usual order.
+LONGEST_FIRST = ["test_gpu_check", "test_rlhf", "test_ppo", "test_vtrace_learner", "test_grader_sandbox",
+                 "test_exercises", "test_gradescope", "test_ppg", "test_distributed", "test_evidence", "test_docs",
+                 "test_results", "test_speed"]
+
+
 def pytest_collection_modifyitems(config, items):
     import fnmatch
+
+    def cost_rank(item):
+        stem = os.path.splitext(os.path.basename(str(item.path)))[0]
+        return LONGEST_FIRST.index(stem) if stem in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=cost_rank)  # stable: each file's tests keep their order
 
     def matches(table, stem, name):
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in table.get(stem, ()))
