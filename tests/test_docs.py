@@ -44,7 +44,8 @@ PROCGEN_SCRIPTS = ("ppo_procgen.py", "ppg_procgen.py", "vtrace.py")
 # pytest's and pytest-xdist's own (docs/testing.md's runtime).
 EXTERNAL_FLAGS = {"--nproc-per-node", "--standalone", "--nnodes", "--rdzv-id", "--rdzv-backend", "--rdzv-endpoint",
                   "--signal", "--requeue", "--index-url", "--dry-run", "--script", "--no-train", "--help",
-                  "--logdir", "--no-deps", "--only-binary", "--platform", "--python-version", "--durations", "--dist"}
+                  "--logdir", "--no-deps", "--only-binary", "--platform", "--python-version", "--durations", "--dist",
+                  "--no-loadscope-reorder"}
 SHELL_SEPARATORS = {"&&", "||", ";", "|", "&", ">", ">>", "<", "2>", "2>&1"}
 CODE_LANGUAGES = {"", "bash", "sh", "shell", "console", "yaml"}  # yaml: shell in a block scalar
 
