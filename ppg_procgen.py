@@ -600,9 +600,10 @@ def train(args):
     rollout_logits = torch.zeros((args.num_steps, local_envs, 15), device=device)  # pi_old, for KL
     frames_to_device = FramesToDevice(local_envs, device)
     games = envs.unwrapped if args.overlap_games else None  # the pools that policy_step starts half by half
-    acts = [functools.partial(act, policy)] * (games.halves if games else 1)
+    halves = games.halves if games else 1  # one act for all the games, or one per half
+    acts = [functools.partial(act, policy)] * halves
     if args.cuda_graph and device.type == "cuda":  # the same steps, each replayed in one launch
-        acts = [CapturedAct(functools.partial(act, agent)) for _ in acts]  # the eager network's kernels
+        acts = [CapturedAct(functools.partial(act, agent)) for _ in range(halves)]  # the eager network
     kl_beta = args.kl_beta if args.kl_beta is not None else 1.0  # kl-penalty's first beta
     kl_beta = run.checkpoint["kl_beta"] if args.resume else kl_beta
     # New episodes in fresh games, seeded by (seed, iteration, rank): a resumed run replays no level.

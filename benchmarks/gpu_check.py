@@ -193,8 +193,8 @@ def plan(settings):
     """The steps in the order of their value, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
-    # What no GPU has measured yet (--amp and --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json),
-    # second every speed flag at once: the graph's rollout, a bf16 and compiled update.
+    # What no GPU has measured yet, the graph first and every speed flag at once second (--amp and
+    # --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json).
     ppo_fast = [("graph", "--cuda-graph"),
                 ("fastest", "--cuda-graph --overlap-games --amp --no-amp-rollout --compile"),
                 ("graph_overlap", "--cuda-graph --overlap-games"), ("amp_update", "--amp --no-amp-rollout")]
