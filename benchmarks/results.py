@@ -458,8 +458,15 @@ def plot_game(path, game, mode, by_algorithm, colors, args, references=None):
             if not curves:
                 continue
             steps, mean, low, high, _ = mean_and_band(curves, args.confidence)
-            axis.plot(steps, mean, color=color, label=label)
-            axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+            # Evaluations are few, so each gets a marker; a curve of one point (a run shorter than --eval-every
+            # iterations evaluates once, at its end) is drawn by its marker alone, a line needs two points.
+            marker = "o" if axis is axes[1] or len(steps) == 1 else None
+            axis.plot(steps, mean, color=color, label=label, marker=marker, markersize=4)
+            if len(steps) > 1:
+                axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+            elif not np.isnan(low[0]):  # a band of zero width is invisible: the interval as an error bar
+                axis.errorbar(steps[0], mean[0], yerr=[[mean[0] - low[0]], [high[0] - mean[0]]], color=color,
+                              capsize=3)
             for run, (x, y) in zip(runs, run_curves):
                 if run.partial is not None and len(x):  # where a partial run ends
                     axis.plot(x[-1], y[-1], "x", color=color)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -202,6 +203,50 @@ def test_results_on_synthetic_runs(tmp_path, capsys):
     assert "| IMPALA | 2 (1 partial) |" in table and "left out of the aggregate" in table.lower()
     assert f"partial: {crashed.path}: metrics.jsonl line 6 cut off" in capsys.readouterr().out
     assert (tmp_path / "out2" / "bigfish_easy.png").stat().st_size > 0
+
+
+def colour_pixels(figure, axis, colour, tolerance=40):
+    """Rows and columns of the rendered pixels inside `axis` within `tolerance` of `colour` (RGB)."""
+    figure.canvas.draw()
+    image = np.asarray(figure.canvas.buffer_rgba())[:, :, :3].astype(int)
+    box = axis.get_window_extent()  # display coordinates: origin bottom-left
+    height = image.shape[0]
+    top, bottom = int(height - box.y1) + 2, int(height - box.y0) - 2  # inside the frame
+    left, right = int(box.x0) + 2, int(box.x1) - 2
+    panel = image[top:bottom, left:right]
+    rows, columns = np.nonzero(np.abs(panel - np.array(colour)).max(axis=2) <= tolerance)
+    return rows + top, columns + left
+
+
+def test_an_evaluation_of_one_point_is_drawn(tmp_path, monkeypatch):
+    """Runs shorter than --eval-every iterations evaluate once, at their end: the evaluation panel shows that point
+    (a line of one point draws nothing), and two seeds' interval at it, as rendered pixels in each run's colour."""
+    for seed, last100 in ((1, 5.0), (2, 9.0)):  # evaluation returns 6 and 10 at step 1024
+        write_run(tmp_path, "ppo_procgen", "bigfish", seed, last100, iterations=2, eval_every=4)
+    write_run(tmp_path, "vtrace", "bigfish", 1, 3.0, iterations=2, eval_every=4)  # one seed: a point, no interval
+    runs = [results.read_run(path) for path in results.find_runs(str(tmp_path))]
+    by_algorithm = {"PPO": [run for run in runs if run.algorithm == "PPO"],
+                    "IMPALA": [run for run in runs if run.algorithm == "IMPALA"]}
+    assert [len(results.evaluation_curve(run)[0]) for run in runs] == [1, 1, 1]
+    figures = []
+    monkeypatch.setattr(results, "save_figure", lambda figure, path: figures.append(figure))
+    colours = {"PPO": (0x1F, 0x77, 0xB4), "IMPALA": (0xD6, 0x27, 0x28)}  # matplotlib's C0 and C3
+    results.plot_game(str(tmp_path / "bigfish_easy.png"), "bigfish", "easy", by_algorithm,
+                      {"PPO": "C0", "IMPALA": "C3"}, types.SimpleNamespace(smooth=2, confidence=0.95))
+    (figure,) = figures
+    evaluation = figure.axes[1]
+    for algorithm, expected in (("PPO", 8.0), ("IMPALA", 4.0)):
+        rows, columns = colour_pixels(figure, evaluation, colours[algorithm])
+        assert len(rows) > 10, f"{algorithm}: its one evaluation is not drawn"
+        x, y = evaluation.transData.transform((1024, expected))  # where the point belongs, in display pixels
+        row = figure.canvas.get_width_height()[1] - y
+        assert np.hypot(columns - x, rows - row).min() < 3, f"{algorithm}: drawn away from (1024, {expected})"
+    # PPO's two seeds: the t-interval mean +- t_{0.975, 1} s / sqrt(2), s = 2 sqrt(2), drawn over its full height.
+    half_width = 12.706205 * 2 * math.sqrt(2) / math.sqrt(2)
+    ends = [evaluation.transData.transform((1024, 8.0 + sign * half_width))[1] for sign in (-1, 1)]
+    rows, _ = colour_pixels(figure, evaluation, colours["PPO"])
+    assert rows.max() - rows.min() > 0.9 * abs(ends[1] - ends[0])
+    results.plt.close(figure)
 
 
 # ---- real runs of the three Procgen scripts, once per test run ----
