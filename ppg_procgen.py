@@ -54,7 +54,9 @@ class Args:
     num_minibatches: int = 8
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
-    """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1)"""
+    """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1). With
+    auxiliary phases a checkpoint is taken only at a phase's end, where B is empty, so --save-every must be
+    a multiple of it and a cut loses up to N_pi iterations (at the defaults 32 x 64 x 256 = 524,288 steps)"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
     e_v: int = 1
@@ -535,8 +537,8 @@ def aux_rollouts_per_rank(args, world_size=None):
 
 def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, check_stop=None):
     """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their
-    V_targ in aux_value_targets [R, T]. Returns mean losses. `check_stop()`, called before each
-    minibatch, may raise to drop the phase (a signal)."""
+    V_targ in aux_value_targets [R, T]. Returns mean losses and the rollouts it distilled (all
+    ranks'). `check_stop()`, called before each minibatch, may raise to drop the phase (a signal)."""
     device = optimizer.param_groups[0]["params"][0].device  # the networks'
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
@@ -569,7 +571,8 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, ch
             raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
         optimizer.step()
     means = all_reduce_mean(totals / len(schedule)).tolist()
-    return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
+    return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2],
+            "aux/rollouts": len(aux_obs) * num_ranks()}
 
 
 def train(args):
@@ -610,7 +613,7 @@ def train(args):
     next_obs = frames_to_device(envs.reset(seed=game_seed(args.seed, start_iteration, run.rank))[0])
     next_done = torch.zeros(local_envs, device=device)
     global_step = (start_iteration - 1) * batch_size
-    # A signal stops the run at the next rollout step or minibatch, saving the last whole iteration.
+    # A signal stops the run at the next rollout step or minibatch, saving the last resume point (below).
     with StopOnSignal(run, closing=(envs,)) as stop:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:  # linearly to 0 over the run
@@ -669,10 +672,8 @@ def train(args):
             # Auxiliary phase (every N_pi iterations), after the policy phase's last iteration. As in the
             # PPG code, none follows the run's last iteration: no policy phase would use what it learned.
             if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
-                # A run resumed inside this phase has filled only the slots of its own iterations.
-                filled = min(args.n_pi, iteration - start_iteration + 1)
-                stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs[-filled:].flatten(0, 1),
-                                             aux_value_targets[-filled:].flatten(0, 1), args, stop.check))
+                stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs.flatten(0, 1),
+                                             aux_value_targets.flatten(0, 1), args, stop.check))
 
             # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
             stats.update({"time/rollout": update_start - rollout_start, "time/env": env_seconds,
@@ -681,8 +682,11 @@ def train(args):
             log_iteration(run, iteration, global_step, episodes, stats)
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 evaluate_and_log(run, agent, iteration, global_step)
-            state = checkpoint_state(run, iteration, agent, optimizers, envs, kl_beta)
-            stop.end_iteration(state, last=iteration == num_iterations)
+            # B is not saved (6 GiB at the defaults), so a run resumes only where B is empty: after an
+            # auxiliary phase (or at the run's end). A signal inside a phase saves the phase's start.
+            if not args.e_aux or iteration % args.n_pi == 0 or iteration == num_iterations:
+                state = checkpoint_state(run, iteration, agent, optimizers, envs, kl_beta)
+                stop.end_iteration(state, last=iteration == num_iterations)
     return run.dir
 
 
@@ -913,11 +917,17 @@ def allocate_buffer(run):
     """PPG's buffer B of this rank's games, frames and V_targ ((None, None) without auxiliary
     phases): on the GPU when it takes less than half of its free memory (--aux-buffer auto), else
     in host memory, pinned on a CUDA run (asynchronous copies). One that cannot be allocated stops
-    the run with one line (on Linux an unpinned B that fits only partly is allocated all the same)."""
+    the run with one line (on Linux an unpinned B that fits only partly is allocated all the same).
+    A resumed run starts at a phase's first iteration: B is refilled by the phase it plays."""
     args, device = run.args, run.device
     if not args.e_aux or args.eval_only:
         return None, None
-    leftover = args.total_timesteps // (args.num_envs * args.num_steps) % args.n_pi
+    num_iterations = args.total_timesteps // (args.num_envs * args.num_steps)
+    resumed = run.checkpoint["iteration"] if args.resume else 0
+    require(resumed % args.n_pi == 0 or resumed == num_iterations, f"--resume {args.resume}: iteration "
+            f"{resumed} is inside a phase of --n-pi {args.n_pi}, where B is partly filled and not saved (a "
+            "checkpoint of an earlier version); resume it with that version")
+    leftover = num_iterations % args.n_pi
     if leftover:
         print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
     shape = (args.n_pi, args.num_envs // run.world_size, args.num_steps)  # [N_pi, games, T]
@@ -1500,6 +1510,9 @@ def check_args(args):
     rollouts = aux_rollouts_per_rank(args, world_size)
     require(rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} must divide "
             f"the {rollouts} rollouts of each rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
+    require(not (args.save_model and args.e_aux) or args.save_every % args.n_pi == 0, f"--save-every "
+            f"{args.save_every} must be a multiple of --n-pi {args.n_pi}: a checkpoint is taken only at the end of "
+            f"an auxiliary phase; try {args.n_pi * max(1, round(args.save_every / args.n_pi))}")
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured

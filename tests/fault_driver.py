@@ -23,12 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The smallest runs that still have every moment: 6 iterations, a checkpoint after each (--save-every 1) and an
 # evaluation after each (--eval-every 1: the reference stops after one), one torch thread (bit-identical reruns).
+# PPG resumes only at the end of a phase: a checkpoint after each phase of N_pi = 2 iterations, and 8 iterations, so
+# that each of its campaign's kills comes after a child's first checkpoint.
 COMMON = dict(env_id="coinrun", channels=(4,), hidden_size=16, eval_every=1, eval_episodes=1,
               save_model=True, save_every=1, torch_threads=1, env_threads=1)
 FLAGS = {
     "ppo_procgen": dict(COMMON, num_envs=4, num_steps=8, num_minibatches=2, update_epochs=2, total_timesteps=192),
-    "ppg_procgen": dict(COMMON, num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=192, n_pi=2, e_aux=1,
-                        num_aux_rollouts=2),
+    "ppg_procgen": dict(COMMON, num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=256, n_pi=2, e_aux=1,
+                        num_aux_rollouts=2, save_every=2),
     "vtrace": dict(COMMON, num_envs=4, unroll_length=4, updates_per_iteration=3, total_timesteps=288,
                    deterministic_lag=True),
 }
@@ -173,31 +175,32 @@ def run_child_process(context, target, args, kill_after=None):
 
 
 def occurrences(script, moment):
-    """How often `moment` comes in one iteration of a run at FLAGS (an auxiliary phase: in one phase)."""
+    """How often `moment` comes between two checkpoints of a run at FLAGS: in --save-every iterations (PPG: one
+    phase, whose auxiliary phase comes once)."""
     flags = FLAGS[script]
     if moment == "mid-rollout":
-        return flags["num_steps"]
+        return flags["num_steps"] * flags["save_every"]
     if moment == "mid-update":
-        return flags["num_minibatches"] * flags.get("update_epochs", 1)
+        return flags["num_minibatches"] * flags.get("update_epochs", 1) * flags["save_every"]
     if moment == "aux-phase":
         return flags["e_aux"] * flags["n_pi"] * flags["num_envs"] // flags["num_aux_rollouts"]
     if moment == "mid-iteration":
-        return flags["updates_per_iteration"]
+        return flags["updates_per_iteration"] * flags["save_every"]
     return 1
 
 
 def seeded_faults(script, moments, seed):
-    """A kill per moment at a seeded n-th occurrence in the child's second iteration, after its first checkpoint:
-    each kill is reached and the run moves on. Start-up and the rewrite of a resume's metrics come once (the
-    former leaves no checkpoint: the next child starts anew); an auxiliary phase's kill comes in the child's first
-    phase; the final evaluation's in the last iteration."""
+    """A kill per moment at a seeded n-th occurrence between the child's first checkpoint and its second (its second
+    iteration; PPG's: its second phase, whose auxiliary phase is the child's second): each kill is reached and the
+    run moves on. Start-up and the rewrite of a resume's metrics come once (the former leaves no checkpoint: the
+    next child starts anew); the final evaluation's kill comes in the last iteration."""
     rng = random.Random(f"{script} {seed}")
     faults = []
     for moment in moments:
         count = occurrences(script, moment)
         if moment == "final-eval":
             faults.append(("kill", moment, iterations(script)))
-        elif moment in ("start-up", "mid-rewrite", "aux-phase"):
+        elif moment in ("start-up", "mid-rewrite"):
             faults.append(("kill", moment, rng.randint(1, count)))
         elif moment == "mid-rollout":  # the rollout's frames: one at the start, then one per step
             faults.append(("kill", moment, 1 + count + rng.randint(1, count)))
@@ -338,6 +341,22 @@ def row_problems(campaign):
     return [f"training rows of iterations {trained}, evaluation rows of {evaluated}: expected {expected}"]
 
 
+def aux_problems(campaign):
+    """PPG: every auxiliary phase distilled the whole buffer B, N_pi x num_envs rollouts, in the killed run and in
+    its reference; one phase after each policy phase but the run's last."""
+    if campaign["script"] != "ppg_procgen":
+        return []
+    flags = FLAGS["ppg_procgen"]
+    expected = [(iteration, flags["n_pi"] * flags["num_envs"])
+                for iteration in range(flags["n_pi"], iterations("ppg_procgen"), flags["n_pi"])]
+    problems = []
+    for run_dir in (campaign["run_dir"], campaign["reference_dir"]):
+        phases = [(row["iteration"], row.get("aux/rollouts")) for row in training_rows(run_dir) if "aux/kl" in row]
+        if phases != expected:
+            problems.append(f"{run_dir}: auxiliary phases (iteration, rollouts) {phases}, expected {expected}")
+    return problems
+
+
 def equality_problems(campaign):
     """The killed-and-resumed run equals the stopped-and-resumed one (clean SIGTERM stops at the iterations the
     kills resumed from) bit for bit: its final checkpoint and its rows, timing columns aside."""
@@ -354,4 +373,5 @@ def equality_problems(campaign):
 
 
 def all_problems(campaign):
-    return kill_problems(campaign) + leftover_problems(campaign) + row_problems(campaign) + equality_problems(campaign)
+    return (kill_problems(campaign) + leftover_problems(campaign) + row_problems(campaign) + aux_problems(campaign)
+            + equality_problems(campaign))

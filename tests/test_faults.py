@@ -1,7 +1,8 @@
 """Nothing lost under kill -9 at any moment. Each Procgen script on CueEnv is killed with SIGKILL at
 seeded moments of each kind (tests/fault_driver.py: the instant of a checkpoint's or metrics.jsonl's rename, inside a
 rollout, a minibatch, PPG's auxiliary phase, IMPALA's iteration, the final evaluation, start-up) and resumed from its
-checkpoint until the run ends; then it must equal the same run stopped cleanly at the same iterations, bit for bit.
+checkpoint until the run ends; then it must equal the same run stopped cleanly at the same iterations, bit for bit
+(PPG's resume points are the ends of its phases, and each of its auxiliary phases distils the whole buffer B).
 Together the three campaigns have every moment; benchmarks/fault_campaign.py runs many more kills."""
 import concurrent.futures
 import glob
@@ -13,8 +14,8 @@ import pytest
 
 import fault_driver as driver
 
-# A few kills per script; each moment is in at least one campaign. PPG's auxiliary phase comes first: its first
-# phase (iteration 2) is then surely reached.
+# A few kills per script; each moment is in at least one campaign. PPG's auxiliary phase comes first: the first
+# child's second phase (iteration 4) is then surely reached.
 CAMPAIGNS = {"ppo_procgen": ["mid-rollout", "mid-rewrite", "final-eval"],
              "ppg_procgen": ["aux-phase", "mid-update", "mid-save"],
              "vtrace": ["start-up", "mid-iteration", "mid-save"]}
@@ -55,6 +56,13 @@ def test_no_row_of_a_checkpointed_iteration_is_lost_or_repeated(campaigns, scrip
     assert driver.row_problems(campaigns[script]) == []
 
 
+def test_every_ppg_auxiliary_phase_distils_the_whole_buffer(campaigns):
+    """Killed inside an auxiliary phase and inside a policy phase, PPG resumed at the phase's start: every auxiliary
+    phase's row says N_pi x num_envs rollouts, in the killed run and in its reference."""
+    assert [record["resumed_from"] for record in campaigns["ppg_procgen"]["records"]] == [None, 2, 4, 6]
+    assert driver.aux_problems(campaigns["ppg_procgen"]) == []
+
+
 @pytest.mark.parametrize("script", CAMPAIGNS)
 def test_killed_and_resumed_equals_stopped_and_resumed_bit_for_bit(campaigns, script):
     assert len(campaigns[script]["codes"]) > 1  # it did resume
@@ -88,33 +96,37 @@ def script(request, cue_env):
 
 
 def test_a_signal_mid_rollout_stops_at_the_next_step(script, in_tmp, monkeypatch, capsys):
-    steps = driver.FLAGS[script.__name__]["num_steps"]
-    at = 1 + steps + 3  # the reset's frames, iteration 1's steps, then iteration 2's third step
+    """The first resume point is iteration 1 (PPO) or the end of the first phase (PPG, iteration N_pi = 2); the
+    signal comes in the rollout of the iteration after it."""
+    first = driver.FLAGS[script.__name__]["save_every"]  # the first resume point
+    at = 1 + driver.occurrences(script.__name__, "mid-rollout") + 3  # the reset's frames, `first` rollouts, 3 steps
     calls = signal_at_call(monkeypatch, script.FramesToDevice, "__call__", at)
     with pytest.raises(SystemExit) as raised:
         script.train(tiny(script))
     assert raised.value.code == 128 + signal.SIGTERM
     assert len(calls) == at  # the step in progress ends; the next one does not start
     (run_dir,) = [os.path.join("runs", name) for name in os.listdir("runs")]
-    assert "interrupted by SIGTERM: saved iteration 1 to " in capsys.readouterr().out
-    assert driver.load(os.path.join(run_dir, "checkpoint.pt"))["iteration"] == 1
-    assert [row["iteration"] for row in driver.training_rows(run_dir)] == [1]
+    assert f"interrupted by SIGTERM: saved iteration {first} to " in capsys.readouterr().out
+    assert driver.load(os.path.join(run_dir, "checkpoint.pt"))["iteration"] == first
+    assert [row["iteration"] for row in driver.training_rows(run_dir)] == list(range(1, first + 1))
 
 
-def test_a_signal_mid_update_saves_the_last_whole_iteration_untouched(script, in_tmp, monkeypatch):
-    """Stopped after iteration 2's first minibatch, the checkpoint is iteration 1's as a stop at its end saves it,
-    bit for bit: the minibatch steps taken before the stop are not in it."""
-    with monkeypatch.context() as patch:  # the reference: a signal in iteration 1's log line, saved at its end
-        signal_at_call(patch, script, "log_iteration", 1)
+def test_a_signal_mid_update_saves_the_last_resume_point_untouched(script, in_tmp, monkeypatch):
+    """Stopped after the first minibatch past the first resume point (PPO: iteration 1; PPG: the end of its first
+    phase), the checkpoint is that point's as a stop there saves it, bit for bit: the minibatch steps taken before the
+    stop are not in it."""
+    first = driver.FLAGS[script.__name__]["save_every"]
+    with monkeypatch.context() as patch:  # the reference: a signal in that iteration's log line, saved at its end
+        signal_at_call(patch, script, "log_iteration", first)
         with pytest.raises(SystemExit):
             script.train(tiny(script, exp_name="clean"))
-    minibatches = driver.occurrences(script.__name__, "mid-update")
-    calls = signal_at_call(monkeypatch, script, "policy_loss", minibatches + 1)  # iteration 2's first minibatch
+    minibatches = driver.occurrences(script.__name__, "mid-update")  # those up to the first resume point
+    calls = signal_at_call(monkeypatch, script, "policy_loss", minibatches + 1)  # the first one after it
     with pytest.raises(SystemExit) as raised:
         script.train(tiny(script, exp_name="stopped"))
     assert raised.value.code == 128 + signal.SIGTERM and len(calls) == minibatches + 1
     clean, stopped = (driver.load(glob.glob(f"runs/*__{name}__*/checkpoint.pt")[0]) for name in ("clean", "stopped"))
-    assert clean["iteration"] == stopped["iteration"] == 1
+    assert clean["iteration"] == stopped["iteration"] == first
     assert driver.differences(clean, stopped) == []
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, CueEnv
 
+import fault_driver
 import forked_run
 import ppg_procgen as ppg
 import ppo_procgen as ppo
@@ -66,7 +67,8 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
     assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
-    assert set(stats) == {"aux/aux_value_loss", "aux/kl", "aux/value_loss"}
+    assert set(stats) == {"aux/aux_value_loss", "aux/kl", "aux/value_loss", "aux/rollouts"}
+    assert stats["aux/rollouts"] == len(aux_obs)  # one process: all of B's rollouts are its own
 
 
 def test_kl_is_zero_when_nothing_moves():
@@ -234,9 +236,13 @@ def test_buffer_is_on_the_gpu_when_it_takes_under_half_of_its_free_memory(aux_bu
 
 
 def test_bad_ppg_flags_fail_at_once():
-    # A checkpoint inside a phase resumes at its place in the phase, so --save-every may be any number.
+    # A checkpoint is taken only at the end of a phase: --save-every counts whole phases when checkpoints are saved.
     ppg.check_args(ppg.Args(save_every=100))
-    ppg.check_args(ppg.Args(save_every=100, save_model=True))
+    ppg.check_args(ppg.Args(save_every=100, save_model=True, e_aux=0))  # no auxiliary phase: PPO's checkpoints
+    ppg.check_args(ppg.Args(save_every=96, save_model=True))
+    with pytest.raises(SystemExit, match=r"^error: --save-every 100 must be a multiple of --n-pi 32: a checkpoint is "
+                                         r"taken only at the end of an auxiliary phase; try 96$"):
+        ppg.check_args(ppg.Args(save_every=100, save_model=True))
     with pytest.raises(SystemExit, match="--minibatch-unit games splits each rank's 64 envs into --num-minibatches 128"):
         ppg.check_args(ppg.Args(num_minibatches=128))
     with pytest.raises(SystemExit, match="--n-aux-grad-accum 3 must divide the 4 rollouts of each rank's auxiliary"):
@@ -424,61 +430,92 @@ def resume_to_the_end(monkeypatch, path):
     return rows, rollouts
 
 
-def test_ctrl_c_in_a_policy_phase_stops_at_the_next_minibatch(cue_env, in_tmp, monkeypatch):
-    """The first Ctrl-C in the middle of a policy phase stops that iteration at its next minibatch: the iteration in
-    flight is dropped, the checkpoint is the one before, and nothing of the auxiliary buffer is in it."""
-    cue_env(ppg)
-    signal_on_call(monkeypatch, "ppo_update", 5, signal.SIGINT)  # in iteration 5, the second of the second phase
-    with pytest.raises(SystemExit, match="130"):
-        ppg.train(ppg.Args(**PHASES))
+@pytest.fixture(scope="module")
+def stopped_at_the_first_phase_end(tmp_path_factory):
+    """The reference of the signal tests: the run of PHASES stopped cleanly (SIGTERM) at the end of its first phase
+    (iteration 3, after its auxiliary phase) and resumed to the end: its rows and its final checkpoint."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(tmp_path_factory.mktemp("reference"))
+        monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **kwargs: CueEnv(num_envs))
+        signal_on_call(monkeypatch, "log_iteration", 3)  # honoured at the end of iteration 3
+        with pytest.raises(SystemExit, match="143"):
+            ppg.train(ppg.Args(**PHASES, save_model=True))
+        (path,) = glob.glob("runs/*/checkpoint.pt")
+        assert torch.load(path, weights_only=True)["iteration"] == 3
+        resume_to_the_end(monkeypatch, path)
+        return fault_driver.training_rows(os.path.dirname(path)), fault_driver.load(path)
+
+
+def check_resumed_at_the_first_phase_end(monkeypatch, reference):
+    """A run of PHASES cut inside its second phase: its checkpoint is the end of the first phase (iteration 3), with
+    none of the cut phase's rows kept after the resume; resumed to the end, every auxiliary phase distils the whole of
+    B (N_pi x num_envs = 12 rollouts), and the run equals the reference stopped there cleanly, bit for bit."""
     (path,) = glob.glob("runs/*/checkpoint.pt")
     checkpoint = torch.load(path, weights_only=True)
-    assert checkpoint["iteration"] == 4 and not any("aux" in key and key != "aux_optimizer" for key in checkpoint)
+    assert checkpoint["iteration"] == 3 and not any("aux" in key and key != "aux_optimizer" for key in checkpoint)
+    rows, rollouts = resume_to_the_end(monkeypatch, path)
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))  # each once
+    assert [(r["iteration"], r["aux/rollouts"]) for r in rows if "aux/kl" in r] == [(3, 12), (6, 12), (9, 12)]
+    assert rollouts == [12, 12]  # the phases after the resume were given all of B
+    reference_rows, reference_checkpoint = reference  # rows without their timing columns
+    assert fault_driver.training_rows(os.path.dirname(path)) == reference_rows
+    assert fault_driver.differences(fault_driver.load(path), reference_checkpoint) == []
+
+
+def test_ctrl_c_in_a_policy_phase_resumes_at_the_phase_start(cue_env, in_tmp, monkeypatch,
+                                                              stopped_at_the_first_phase_end):
+    """The first Ctrl-C in iteration 5's update (the second of the second phase) stops at its next minibatch, exit
+    130: the iterations of the phase in flight are dropped, the checkpoint is the end of the phase before (iteration
+    3), and nothing of the auxiliary buffer is in it. The resume plays the phase again from its first iteration."""
+    cue_env(ppg)
+    signal_on_call(monkeypatch, "ppo_update", 5, signal.SIGINT)
+    with pytest.raises(SystemExit, match="130"):
+        ppg.train(ppg.Args(**PHASES, save_model=True))
+    (path,) = glob.glob("runs/*/checkpoint.pt")
     rows = read_rows(os.path.dirname(path))
     assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4]  # none of iteration 5
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3]
+    check_resumed_at_the_first_phase_end(monkeypatch, stopped_at_the_first_phase_end)
 
 
-def test_sigterm_in_a_policy_phase_resumes_at_its_place_in_the_phase(cue_env, in_tmp, monkeypatch):
-    """SIGTERM in iteration 6's update (the last of the second phase): exit 143 with iteration 5's checkpoint. The
-    resumed run keeps the phase boundaries of an uninterrupted run (auxiliary phases after iterations 3, 6, 9; none
-    after the last); the interrupted phase's auxiliary phase sees only the rollouts collected after the resume
-    (iteration 6's 4), the later one all 12."""
+def test_sigterm_in_an_auxiliary_phase_resumes_at_the_phase_start(cue_env, in_tmp, monkeypatch,
+                                                                  stopped_at_the_first_phase_end):
+    """SIGTERM in the second auxiliary phase (12 one-rollout minibatches a phase; it follows iteration 6) stops before
+    its next minibatch, exit 143, with the end of the first phase saved (iteration 3) and no row of iteration 6."""
     cue_env(ppg)
-    signal_on_call(monkeypatch, "ppo_update", 6)
+    calls = signal_on_call(monkeypatch, "ppg_aux_loss", 12 + 2)
     with pytest.raises(SystemExit) as stop:
-        ppg.train(ppg.Args(**PHASES))
-    assert stop.value.code == 143
+        ppg.train(ppg.Args(**PHASES, save_model=True))
+    assert stop.value.code == 143 and len(calls) == 14  # the minibatch under way was finished, no further one began
     (path,) = glob.glob("runs/*/checkpoint.pt")
-    assert torch.load(path, weights_only=True)["iteration"] == 5
-    before = read_rows(os.path.dirname(path))
-    assert [r["iteration"] for r in before if "losses/policy_loss" in r] == [1, 2, 3, 4, 5]
-    rows, rollouts = resume_to_the_end(monkeypatch, path)
-    assert rows[: len(before)] == before  # every trained iteration's row is kept
-    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
-    assert rollouts == [4, 12] and rows[-1]["global_step"] == 12 * 32
+    rows = read_rows(os.path.dirname(path))
+    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == [1, 2, 3, 4, 5]
+    check_resumed_at_the_first_phase_end(monkeypatch, stopped_at_the_first_phase_end)
 
 
-def test_sigterm_in_an_auxiliary_phase_stops_before_the_next_minibatch(cue_env, in_tmp, monkeypatch):
-    """SIGTERM during the first auxiliary phase (12 one-rollout minibatches), which belongs to iteration 3: it stops
-    before the next minibatch, with the last whole iteration's checkpoint (iteration 2) and no row of iteration 3. The
-    resumed run plays iteration 3 again, keeps the phase boundaries, and that phase sees iteration 3's rollouts only."""
+def test_a_signal_in_the_first_phase_saves_nothing(cue_env, in_tmp, monkeypatch, capsys):
+    """Before the end of the first phase there is no resume point: a signal in the first auxiliary phase (after
+    iteration 3) stops the run with nothing saved, and says so."""
     cue_env(ppg)
-    calls = signal_on_call(monkeypatch, "ppg_aux_loss", 2)
-    with pytest.raises(SystemExit) as stop:
+    signal_on_call(monkeypatch, "ppg_aux_loss", 2)
+    with pytest.raises(SystemExit, match="143"):
         ppg.train(ppg.Args(**PHASES))
-    assert stop.value.code == 143 and len(calls) == 2  # the minibatch under way was finished, no further one began
-    (path,) = glob.glob("runs/*/checkpoint.pt")
-    assert torch.load(path, weights_only=True)["iteration"] == 2
-    before = read_rows(os.path.dirname(path))
-    assert [r["iteration"] for r in before if "losses/policy_loss" in r] == [1, 2]
-    assert not any("aux/kl" in r for r in before)
-    rows, rollouts = resume_to_the_end(monkeypatch, path)
-    assert rows[:2] == before[:2]  # the rows of the saved iterations are kept, iteration 3's is played again
-    assert [r["iteration"] for r in rows if "losses/policy_loss" in r] == list(range(1, 13))
-    assert [r["iteration"] for r in rows if "aux/kl" in r] == [3, 6, 9]
-    assert rollouts == [4, 12, 12] and rows[-1]["global_step"] == 12 * 32
+    assert "interrupted by SIGTERM: nothing new to save; no checkpoint of this run was saved" in capsys.readouterr().out
+    assert glob.glob("runs/*/checkpoint.pt") == []
+
+
+def test_a_checkpoint_inside_a_phase_is_refused(in_tmp):
+    """A checkpoint inside a phase (only an earlier version wrote one) cannot refill B: one line, before B exists.
+    The end of a phase, and the run's end after a partial last phase, resume."""
+    args = ppg.Args(**{**PHASES, "total_timesteps": 13 * 32}, resume="runs/x/checkpoint.pt")  # 13 iterations
+    for iteration, accepted in ((4, False), (6, True), (13, True)):
+        run = types.SimpleNamespace(args=args, device=torch.device("cpu"), world_size=1,
+                                    checkpoint={"iteration": iteration})
+        if accepted:
+            assert ppg.allocate_buffer(run)[0].shape == (3, 4, 8, 64, 64, 3)
+            continue
+        with pytest.raises(SystemExit, match=r"^error: --resume runs/x/checkpoint.pt: iteration 4 is inside a phase "
+                                             r"of --n-pi 3, where B is partly filled and not saved"):
+            ppg.allocate_buffer(run)
 
 
 def test_nonfinite_auxiliary_loss_stops_with_one_line_and_the_last_checkpoint(cue_env, in_tmp, monkeypatch):
