@@ -1070,3 +1070,372 @@ def test_each_planted_edit_is_reported(what, page, old, new, check):
     assert all_problems(texts) + exit_problems(texts, POSIX_EXITS) == []
     texts[page] = texts[page].replace(old, new)
     assert check(texts), f"{what}: not reported"
+
+
+# ---- the maps, the pytest command lines, example output, points and test counts ----
+# Kinds of claim that once slipped through: a map naming code that was renamed, a pytest line that pytest.ini's
+# options refuse, an example console line from another command, a grade's points, a test count. Each check reads
+# {page: text}, so that the planted edits below can run it on a changed copy.
+def map_lines(text):
+    """The table rows of a page's "The algorithm beside the code" section, its subsections included."""
+    section = re.search(r"^## The algorithm beside the code\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    return [line for line in section.group(1).splitlines() if line.startswith("|")] if section else []
+
+
+@functools.lru_cache(maxsize=None)
+def script_names(script):
+    """What a script's source binds: (names, {class: its members}, {function: its parameters}, comments)."""
+    source = open(os.path.join(ROOT, script)).read()
+    tree = ast.parse(source)
+    names, members, parameters = set(dir(__import__("builtins"))), {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            parameters.setdefault(node.name, set()).update(argument.arg for argument in arguments)
+            names |= parameters[node.name]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ClassDef):
+            members[node.name] = {child.name for child in ast.walk(node) if isinstance(child, ast.FunctionDef)}
+            members[node.name] |= {child.attr for child in ast.walk(node)
+                                   if isinstance(child, ast.Attribute) and isinstance(child.ctx, ast.Store)}
+            members[node.name] |= {child.id for child in ast.walk(node)
+                                   if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store)}
+    comments = [line.split("#", 1)[1].strip() for line in source.splitlines() if "#" in line]
+    return names, members, parameters, comments
+
+
+def map_span_problems(span, script):
+    """A map's code span against its script: `--flags` are its flags, `# heading` one of its comments, and every
+    name of an expression (`ppo_update(..., epochs_pi=E_π)`, `Actor.play`) is bound there: a function's keyword is
+    its parameter, a class's attribute its member. Paper symbols (non-ASCII names) and file names are not code."""
+    names, members, parameters, comments = script_names(script)
+    if span.startswith("#"):
+        found = any(comment.startswith(span.lstrip("# ")) for comment in comments)
+        return [] if found else [f"`{span}`: {script} has no such comment"]
+    flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)
+    if flags:
+        return [f"`{span}`: {script} has no flag {flag}" for flag in flags if flag not in flags_of(script)]
+    if re.fullmatch(r"[\w/.-]+\.(py|md|json)", span):
+        return []
+    keyword = re.fullmatch(r"(\w+)=\S+", span)  # `epochs_v=E_V`: a keyword of a call, the value a paper symbol
+    if keyword:
+        found = any(keyword.group(1) in names for names in parameters.values())
+        return [] if found else [f"`{span}`: no function of {script} takes {keyword.group(1)}="]
+    try:  # `f(..., k=v, ...)`: the elisions dropped, so that Python reads it
+        tree = ast.parse(re.sub(r"\.\.\.,?\s*", "", span))
+    except SyntaxError:
+        return [f"`{span}`: neither a flag, a comment nor Python"]
+    symbols = {id(node) for call in ast.walk(tree) if isinstance(call, ast.Call)
+               for keyword in call.keywords for node in ast.walk(keyword.value)}  # values: paper symbols
+    problems = []
+    for node in ast.walk(tree):
+        if id(node) in symbols:
+            continue
+        if isinstance(node, ast.Name) and node.id.isascii() and node.id not in names:
+            problems.append(f"`{span}`: {script} binds no {node.id}")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in members
+              and node.attr not in members[node.value.id]):
+            problems.append(f"`{span}`: {script}'s {node.value.id} has no {node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in parameters:
+            problems += [f"`{span}`: {node.func.id} in {script} takes no {keyword.arg}=" for keyword in node.keywords
+                         if keyword.arg not in parameters[node.func.id]]
+    return problems
+
+
+def map_problems(texts, pages=tuple(PAGE_SCRIPTS)):
+    """Every code span of each page's map from the paper to the code exists in the script: the page's own, or the
+    one a row names (ppo.md's template table reads across the scripts)."""
+    problems = []
+    for page in pages:
+        lines = map_lines(texts[page])
+        if not lines:
+            problems.append(f"{page} has no table in 'The algorithm beside the code'")
+        for line in lines:
+            spans = inline_spans(line)
+            named = [span for span in spans if span in TYRO_SCRIPTS]
+            script = named[0] if named else PAGE_SCRIPTS[page]
+            problems += [f"{page}: {problem}" for span in spans for problem in map_span_problems(span, script)]
+    return problems
+
+
+@pytest.mark.parametrize("page", sorted(PAGE_SCRIPTS))
+def test_every_name_in_a_map_from_the_paper_to_the_code_exists(page):
+    assert map_problems(page_texts(), pages=(page,)) == []
+
+
+PYTEST_PARSER = r"""
+import contextlib, io, json, sys
+from _pytest.config import UsageError, _prepareconfig  # pytest's own: plugins, pytest.ini's addopts, conftests
+errors = {}
+for argv in json.loads(sys.argv[1]):
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            _prepareconfig(list(argv))._ensure_unconfigure()
+        errors[json.dumps(argv)] = None
+    except (UsageError, SystemExit) as error:
+        errors[json.dumps(argv)] = str(error).strip().splitlines()[-3:] if str(error).strip() else repr(error)
+open(sys.argv[2], "w").write(json.dumps(errors))
+"""
+PYTEST_VALUE_OPTIONS = {"-m", "-k", "-p", "-n", "-c", "-o", "--dist", "--durations", "--script", "--tb", "--maxfail",
+                        "--exercises", "--basetemp", "--rootdir", "--deselect", "--ignore"}
+
+
+def pytest_commands(text):
+    """The argument lists of every `pytest ...` and `python -m pytest ...` line on a page (code and inline)."""
+    sources = [line for language, body in code_blocks(text) if language in CODE_LANGUAGES for line in shell_lines(body)]
+    sources += [span for span in inline_spans(text) if re.search(r"\bpytest\b", span)]
+    found = []
+    for source in sources:
+        try:
+            tokens = shlex.split(source, comments=True)
+        except ValueError:
+            continue
+        for start, token in enumerate(tokens):
+            before = tokens[start - 1] if start else ""
+            runs = (start == 0 or before in SHELL_SEPARATORS or before.isdigit()
+                    or (before == "-m" and start >= 2 and os.path.basename(tokens[start - 2]) in ("python", "python3")))
+            if token != "pytest" or not runs:
+                continue
+            argv = []
+            for word in tokens[start + 1:]:
+                if word in SHELL_SEPARATORS or word.startswith((">", "2>")):
+                    break
+                argv.append(word)
+            found.append(tuple(argv))
+    return found
+
+
+PARSED = {}  # argv -> pytest's error (None: parsed), filled by one subprocess per new batch of command lines
+
+
+def pytest_parse_errors(commands):
+    """pytest's own parse of each command line (plugins, pytest.ini's addopts and the conftests' options), in one
+    subprocess, without collecting (the first one also parses the planted edits' lines, so that they cost none)."""
+    if not PARSED:
+        texts = page_texts()
+        commands = list(commands) + [argv for _, page, old, new, check in NEW_PLANTED_EDITS
+                                     if check is pytest_command_problems
+                                     for argv in pytest_commands(texts[page].replace(old, new, 1))]
+    new = sorted(set(commands) - set(PARSED))
+    if new:
+        import tempfile
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "errors.json")
+            subprocess.run([sys.executable, "-c", PYTEST_PARSER, json.dumps(new), out], cwd=ROOT, check=True,
+                           timeout=120, capture_output=True)
+            PARSED.update({tuple(json.loads(argv)): error for argv, error in json.load(open(out)).items()})
+    return {argv: PARSED[argv] for argv in commands}
+
+
+def markers():
+    import configparser
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(ROOT, "pytest.ini"))
+    return {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
+
+
+def defined_tests():
+    """{test file: the test functions it defines}, tests/ and exercises/."""
+    files = glob.glob(os.path.join(ROOT, "tests", "test_*.py")) + glob.glob(os.path.join(ROOT, "exercises", "test_*.py"))
+    return {relative(path): set(re.findall(r"^def (test_\w+)", open(path).read(), re.M)) for path in files}
+
+
+def named_test_problems(reference):
+    """`tests/test_x.py`, `tests/test_x.py::test_name` or a bare `test_name`: the file and the test exist."""
+    tests = defined_tests()
+    if "::" in reference:
+        path, name = reference.split("::", 1)
+    else:
+        path, name = (reference, "") if "/" in reference or reference in ("tests", "exercises") else ("", reference)
+    name = name.split("[")[0]
+    if path and not os.path.exists(os.path.join(ROOT, path)):
+        return [f"`{reference}`: no such file"]
+    if name and not any(name in defined for file, defined in tests.items() if not path or file == path):
+        return [f"`{reference}`: no test of that name" + (f" in {path}" if path else "")]
+    return []
+
+
+def pytest_command_problems(texts):
+    """Every pytest line parses under pytest.ini (e.g. `-p no:xdist` refuses the ini's xdist option), its -m
+    expression names registered markers, and the test files and tests it names exist; so does every test a page
+    names in its prose (`test_ppo_learns_the_cue_task`, `tests/test_preemption.py::test_...`)."""
+    commands = {page: pytest_commands(text) for page, text in texts.items()}
+    errors = pytest_parse_errors([argv for found in commands.values() for argv in found])
+    problems = []
+    for page, found in commands.items():
+        for argv in found:
+            line = "pytest " + shlex.join(argv)
+            if errors[argv]:
+                problems.append(f"{page}: `{line}`: {errors[argv]}")
+            for option, value in zip(argv, argv[1:]):
+                if option == "-m":
+                    unknown = set(re.findall(r"\w+", value)) - {"and", "or", "not"} - markers()
+                    problems += [f"{page}: `{line}`: no marker {name} in pytest.ini" for name in sorted(unknown)]
+            for previous, word in zip(("",) + argv, argv):
+                if previous not in PYTEST_VALUE_OPTIONS and re.match(r"(tests|exercises)(/|$)", word):
+                    problems += [f"{page}: `{line}`: {problem}" for problem in named_test_problems(word)
+                                 if word.split("::")[0].endswith(".py") or "::" not in word]
+    for page, text in texts.items():
+        for span in set(inline_spans(text)):
+            if re.fullmatch(r"(tests/test_\w+\.py(::test_\w+)?|test_\w+)", span) and span not in {"test_grade.py"}:
+                problems += [f"{page}: {problem}" for problem in named_test_problems(span)]
+    return problems
+
+
+def test_every_pytest_line_parses_and_every_named_test_exists():
+    texts = page_texts()
+    assert sum(len(pytest_commands(text)) for text in texts.values()) >= 5  # the extractor finds them
+    assert pytest_command_problems(texts) == []
+
+
+EXAMPLE_LINE = re.compile(r"\biter (\d+)/(\d+) \| step ([\d,]+)")
+
+
+def steps_per_iteration(script, argv):
+    """Environment steps per logged iteration of a Procgen script run with argv (tyro's parse of its flags)."""
+    import tyro
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        args = tyro.cli(dataclass_of(script), args=argv)
+    if script == "vtrace.py":
+        return args.total_timesteps, args.updates_per_iteration * args.num_envs * args.unroll_length
+    return args.total_timesteps, args.num_envs * args.num_steps
+
+
+def example_line_problems(texts):
+    """An example console line (`iter i/N | step S`) is what the command it illustrates prints: the last Procgen
+    command before it in its section (none: the page's script at its defaults), N = total_timesteps // steps per
+    iteration and S = i × steps per iteration."""
+    problems = []
+    for page, text in texts.items():
+        for match in EXAMPLE_LINE.finditer(text):
+            section = text[:match.start()].rsplit("\n## ", 1)[-1]
+            commands = [(script, argv) for script, argv, _ in commands_of(section) if script in PROCGEN_SCRIPTS]
+            script, argv = commands[-1] if commands else (PAGE_SCRIPTS.get(page, "ppo_procgen.py"), [])
+            total, per_iteration = steps_per_iteration(script, argv)
+            iteration, shown_n, shown_step = int(match.group(1)), int(match.group(2)), match.group(3)
+            expected = f"iter {iteration}/{total // per_iteration} | step {iteration * per_iteration:,}"
+            if match.group(0) != expected:
+                problems.append(f"{page}: `{match.group(0)}`, where `python {script} {shlex.join(argv)}` prints "
+                                f"`{expected}`")
+    return problems
+
+
+def test_every_example_console_line_is_its_commands():
+    texts = page_texts()
+    assert sum(len(EXAMPLE_LINE.findall(text)) for text in texts.values()) >= 1
+    assert example_line_problems(texts) == []
+
+
+@functools.lru_cache(maxsize=None)
+def public_points():
+    """{exercise: the points of its public grade on the repository's script}, from the public grader's own plan
+    (every case of every exercise function in the file, the contract cases on a CPU), without running a case."""
+    from exercises import grading
+    from exercises.texts import EXERCISES
+    points = {}
+    for exercise, spec in EXERCISES.items():
+        module = load(spec["script"][:-3])
+        plan = grading.plan_exercise(exercise, {spec["script"]: set(vars(module))}, grading.load_cases)
+        points[exercise] = sum(case.points for functions in plan.values() for cases in functions.values()
+                               for case in cases if case.kind != "cuda")
+    return points
+
+
+def point_problems(texts):
+    """assignments.md's public points (the exercise table's column and each "N public points") are the public
+    grader's, and its points per exercise are the instructor grader's EXERCISE_POINTS."""
+    text = texts["docs/assignments.md"]
+    problems = []
+    rows = {row[0].strip("`"): row for row in table_rows(text) if row[0].startswith("`")}
+    header = next(row for row in table_rows(text) if row[0] == "exercise")
+    column = next(i for i, cell in enumerate(header) if "points" in cell)
+    for exercise, points in public_points().items():
+        shown = rows.get(exercise, [""] * (column + 1))[column]
+        if shown != f"{points:g}":
+            problems.append(f"docs/assignments.md: {exercise}'s public points are {shown!r}; its grade gives {points:g}")
+    body = " ".join(prose(text).split())
+    for exercise, shown in re.findall(r"grade\.py (\w+)[^(]*\((\d+) public points", body):
+        if float(shown) != public_points().get(exercise):
+            problems.append(f"docs/assignments.md: {exercise}: {shown} public points; its grade gives "
+                            f"{public_points().get(exercise):g}")
+    instructor = open(os.path.join(ROOT, "exercises", "instructor.py")).read()
+    exercise_points = int(re.search(r"^EXERCISE_POINTS = (\d+)", instructor, re.M).group(1))
+    for shown in re.findall(r"worth (\d+) points \(`EXERCISE_POINTS`\)", body):
+        if int(shown) != exercise_points:
+            problems.append(f"docs/assignments.md: {shown} points per exercise; EXERCISE_POINTS is {exercise_points}")
+    return problems
+
+
+def test_documented_points_are_the_graders():
+    assert point_problems(page_texts()) == []
+
+
+FILE_COUNT = re.compile(r"`(tests/test_\w+\.py)` \((\d+) tests\b")
+ANY_COUNT = re.compile(r"\b(\d[\d,]*) tests\b")
+
+
+def collected_counts(files):
+    """{test file: the tests pytest collects in it}, one collect-only subprocess for all."""
+    if not files:
+        return {}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *sorted(files)], cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    ids = [line.split("::")[0] for line in out.splitlines() if "::" in line]
+    return {file: ids.count(file) for file in files}
+
+
+def count_problems(texts, counts=None):
+    """A test count on a page is one file's (`tests/test_x.py` (N tests)), checked against pytest's collection;
+    the whole suite's count changes with every test added, so no page states it."""
+    claims = [(page, file, int(n)) for page, text in texts.items() for file, n in FILE_COUNT.findall(prose(text))]
+    counts = counts if counts is not None else collected_counts({file for _, file, _ in claims})
+    problems = [f"{page}: `{file}` ({n} tests); pytest collects {counts.get(file)}" for page, file, n in claims
+                if counts.get(file) != n]
+    for page, text in texts.items():
+        body = FILE_COUNT.sub("", prose(text))
+        problems += [f"{page}: states a count of the suite's tests ({n} tests): drop it (it drifts with each test)"
+                     for n in ANY_COUNT.findall(body)]
+    return problems
+
+
+def test_every_stated_test_count_is_pytests():
+    assert count_problems(page_texts()) == []
+
+
+# Planted wrong edits for the checks of this section: each must be reported, as a problem the page did not have.
+NEW_PLANTED_EDITS = [
+    ("a renamed function in a map", "docs/impala.md", "| `vtrace_loss` (", "| `vtrace_losses` (", map_problems),
+    ("a class member in a map", "docs/impala.md", "`Actor.play`", "`Actor.plays`", map_problems),
+    ("a flag in a map", "docs/ppo.md", "`--update-epochs` K", "`--epochs` K", map_problems),
+    ("a keyword in a map", "docs/impala.md", "| `from_importance_weights` (", "| `from_importance_weights(lam=1)` (",
+     map_problems),
+    ("a pytest option the ini refuses", "README.md", "python -m pytest -q -n 2 --dist loadfile tests",
+     "python -m pytest -q -p no:xdist tests", pytest_command_problems),
+    ("an unregistered marker", "docs/testing.md", "pytest -q -m gae tests", "pytest -q -m gae_tests tests",
+     pytest_command_problems),
+    ("a renamed test", "docs/scale-out.md", "::test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint",
+     "::test_a_batch_shell_forwards_sigterm", pytest_command_problems),
+    ("an example line of another command", "README.md", "`iter 3/32 | step 49,152", "`iter 3/64 | step 3,072",
+     example_line_problems),
+    ("a public grade's points", "docs/assignments.md", "| 15 |", "| 16 |", point_problems),
+    ("a file's test count", "docs/assignments.md", "`tests/test_grader_sandbox.py` (",
+     "`tests/test_grader_sandbox.py` (3 tests; ", functools.partial(count_problems, counts={})),
+    ("the suite's test count", "docs/rlhf.md", "## Metrics\n", "## Metrics\nThe suite has 700 tests.\n",
+     functools.partial(count_problems, counts={})),
+]
+
+
+@pytest.mark.parametrize("what, page, old, new, check", NEW_PLANTED_EDITS, ids=[edit[0] for edit in NEW_PLANTED_EDITS])
+def test_each_planted_edit_of_the_new_checks_is_reported(what, page, old, new, check):
+    texts = page_texts()
+    assert old in texts[page], f"{page} no longer has `{old}`: plant another {what}"
+    before = set(check(texts))
+    texts[page] = texts[page].replace(old, new, 1)
+    assert set(check(texts)) - before, f"{what}: not reported"
