@@ -88,14 +88,17 @@ def sgd_step(parameter_groups, loss, lr, max_grad_norm):
 
 
 def non_uniform_agent(module, args, seed):
-    """A tiny agent whose policy is far from uniform (the entropy's gradient vanishes at a uniform policy) and
-    whose value head is not small."""
+    """A tiny agent whose policy is far from uniform (the entropy's gradient vanishes at a uniform policy) but far
+    from deterministic too (logits of std 1 over random frames), and whose values are not small."""
     torch.manual_seed(seed)
     agent = module.Agent(args, num_actions=15)
+    frames = torch.randint(0, 256, (32, 64, 64, 3), dtype=torch.uint8)
     with torch.no_grad():
-        agent.actor.weight.normal_(0, 3.0)
-        agent.actor.bias.normal_(0, 1.0)
-        agent.critic.weight.normal_(0, 0.3)
+        agent.actor.weight.normal_()
+        agent.critic.weight.normal_()
+        logits, values = agent(frames)
+        agent.actor.weight /= logits.std()
+        agent.critic.weight /= values.std()
     return agent
 
 
@@ -128,7 +131,7 @@ def assert_same_step(agent, reference, start):
     assert largest > 1e-6
     for name in start:
         torch.testing.assert_close(moved[name] - start[name], expected[name] - start[name], rtol=1e-3,
-                                   atol=1e-4 * largest, msg=lambda text: f"{name}: {text}")
+                                   atol=1e-3 * largest, msg=lambda text: f"{name}: {text}")
 
 
 FIXED_SPLIT = [torch.tensor([3, 12, 7, 0, 9, 14, 5, 10]), torch.tensor([1, 8, 15, 2, 11, 6, 13, 4])]
@@ -136,7 +139,7 @@ FIXED_SPLIT = [torch.tensor([3, 12, 7, 0, 9, 14, 5, 10]), torch.tensor([1, 8, 15
 
 @pytest.mark.parametrize("flags", [
     dict(),  # clip, advantages normalized per minibatch, value clipping, no gradient clip
-    dict(max_grad_norm=1.0),  # the gradient clip bites
+    dict(max_grad_norm=20.0),  # the gradient clip bites
     dict(adv_norm="batch", clip_vloss=False),
     dict(adv_norm="off"),
     dict(policy_loss="kl-penalty", kl_beta=0.7),  # PPO Eq. 8 with the exact KL(pi_old || pi)
@@ -151,7 +154,7 @@ def test_ppo_update_takes_the_sgd_steps_of_the_papers_loss(flags, monkeypatch):
     agent = non_uniform_agent(ppo, args, seed=0)
     batch = rollout_batch(agent)
     reference, start = copy.deepcopy(agent), weights(agent)
-    lr = 1e-3
+    lr = 1e-4
     ppo.ppo_update(agent, torch.optim.SGD(agent.parameters(), lr=lr), batch, args, kl_beta=args.kl_beta)
 
     everything = torch.arange(16)
@@ -180,7 +183,7 @@ def test_ppg_policy_phase_takes_the_sgd_steps_of_its_loss(arch, monkeypatch):
     agent = non_uniform_agent(ppg, args, seed=1)
     batch = rollout_batch(agent, seed=1)
     reference, start = copy.deepcopy(agent), weights(agent)
-    lr = 1e-3
+    lr = 1e-4
     ppg.ppo_update(agent, torch.optim.SGD(agent.networks(), lr=lr), batch, args)
 
     advantages = normalized(batch["advantages"], torch.arange(16))  # --adv-norm batch, PPG's default
