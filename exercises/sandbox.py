@@ -12,9 +12,9 @@
   child:  per submission, a fork of that pristine zygote (a copy of a freshly started interpreter that never saw
           the references, the secret or another submission); as root, cgroups of its own (memory and processes
           summed over the submission), mount, IPC and network namespaces of its own (a private tmpfs /tmp with
-          its copy of the submission; no network), and a uid of its own (no access to the instructor's files, no
-          signal to other processes, the zygote included); limits on wall clock, CPU time, memory, file size and
-          processes
+          its copy of the submission, and the interpreter read-only where it lies under /tmp; no network), and a
+          uid of its own (no access to the instructor's files, no signal to other processes, the zygote included);
+          limits on wall clock, CPU time, memory, file size and processes
   back:   one JSON line per observed case (outputs as arrays, dtypes, devices, errors): data, never code; the parent
           reads it within caps, line by line, and checks every field's type and shape before it judges them
           (grading.judge_exercise). A case the child never reported (killed at a limit, crashed) scores 0: "timed

@@ -205,7 +205,8 @@ def serve(request, channel, grading):
 
 # Linux's constants (linux/sched.h, linux/mount.h): what Python 3.11's os module does not name yet.
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
+MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 0x1000, 0x4000, 0x40000, 0x2
 SHARED_FOLDERS = ("/var/tmp", "/dev/shm", "/run/lock")  # the folders any uid may write besides /tmp
 
 
@@ -217,18 +218,38 @@ def join_cgroups(folders):
             f.write(str(os.getpid()))
 
 
-def isolate(size):
+def interpreter_folders():
+    """The folders of this interpreter under /tmp: its prefixes (a virtual environment's, with its installed
+    packages, and the Python it was made from), outermost only. A private /tmp would hide them from the child,
+    which may still import a module that the zygote did not load (a repository cloned under /tmp, say)."""
+    prefixes = {os.path.normpath(path) for path in (sys.prefix, sys.exec_prefix, sys.base_prefix,
+                                                     sys.base_exec_prefix)}
+    under_tmp = {prefix for prefix in prefixes if prefix.startswith("/tmp/")}
+    return sorted(path for path in under_tmp if not any(path.startswith(other + "/") for other in under_tmp))
+
+
+def isolate(size, keep=()):
     """As root, before any student code runs: mount, IPC and network namespaces of this process's own (what it
     starts shares them), in which /tmp is a fresh tmpfs of `size` bytes and /var/tmp, /dev/shm and /run/lock are
-    folders of it. What the submission leaves there, System V IPC included, is gone with its last process; it has
-    no network. False when the kernel or a container refuses (the parent then removes the leftovers itself)."""
+    folders of it; the folders `keep` (interpreter_folders) stay at their paths in it, read-only. What the
+    submission leaves there, System V IPC included, is gone with its last process; it has no network. False when
+    the kernel or a container refuses (the parent then removes the leftovers itself)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET) != 0:
         return False
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # no mount of ours reaches the machine
         return False
+    kept = []
+    for path in keep:  # opened before the tmpfs hides them (in this namespace: a bind takes only its own mounts)
+        try:
+            kept.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+        except OSError:
+            continue
     if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777".encode()) != 0:
         return False
+    for path, descriptor in kept:
+        bind_read_only(libc, descriptor, path)
+        os.close(descriptor)
     for folder in SHARED_FOLDERS:
         if os.path.isdir(folder):
             inside = "/tmp/." + folder.strip("/").replace("/", "_")
@@ -236,6 +257,22 @@ def isolate(size):
             os.chmod(inside, 0o1777)
             libc.mount(inside.encode(), folder.encode(), None, MS_BIND, None)
     return True
+
+
+def bind_read_only(libc, descriptor, path):
+    """Mount the folder open as `descriptor` at `path` in the private /tmp, read-only, under folders of root's
+    that no other uid may write: the submission reads the interpreter's files there and changes none."""
+    parts = path.strip("/").split("/")
+    for depth in range(2, len(parts) + 1):
+        folder = "/" + "/".join(parts[:depth])
+        if not os.path.isdir(folder):
+            os.mkdir(folder)
+            os.chmod(folder, 0o755)
+    source, target = f"/proc/self/fd/{descriptor}".encode(), path.encode()
+    if libc.mount(source, target, None, MS_BIND, None) != 0:
+        return
+    if libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None) != 0:
+        libc.umount2(target, MNT_DETACH)  # never left writable
 
 
 def private_home(scripts, uid):
@@ -273,7 +310,7 @@ def run_job(job, grading):
             for name in request["files"]:  # written by the parent; no student code has run yet
                 with open(os.path.join(home, "submission", name), "rb") as f:
                     scripts[name] = f.read()
-            if isolate(request["limits"]["files_bytes"]):
+            if isolate(request["limits"]["files_bytes"], interpreter_folders()):
                 home = private_home(scripts, request["uid"])
         fresh_state(home)
         os.chdir(os.path.join(home, "submission"))

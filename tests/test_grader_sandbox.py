@@ -1048,6 +1048,64 @@ def test_a_submissions_copy_is_readable_by_its_uid_alone():
         sandbox.remove_tree(outer)
 
 
+UNDER_TMP = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from exercises import sandbox_child
+seen = {"kept": sandbox_child.interpreter_folders(), "prefix": sys.prefix}
+seen["isolated"] = sandbox_child.isolate(16 << 20, seen["kept"])
+seen["outside_seen"] = os.path.exists(sys.argv[2])
+import installed_here  # from the environment's own packages, first imported in the private /tmp
+seen["imported"] = installed_here.VALUE
+
+
+def error_of_writing(path):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+    except OSError as error:
+        return error.errno
+    return 0
+
+
+seen["root_writes_prefix"] = error_of_writing(os.path.join(sys.prefix, "planted"))
+sandbox_child.drop_to(int(sys.argv[3]))
+seen["uid_writes_above"] = error_of_writing(os.path.join(os.path.dirname(sys.prefix), "planted"))
+seen["uid_writes_tmp"] = error_of_writing("/tmp/its_own")
+print(json.dumps(seen))
+"""
+
+
+@AS_ROOT
+def test_an_interpreter_under_tmp_stays_visible_and_read_only_in_the_private_tmp():
+    """A repository cloned under /tmp with its virtual environment inside: the child's private /tmp would hide
+    the interpreter's packages; they stay at their paths, read-only, and nothing else of the machine's /tmp."""
+    import errno
+
+    base = tempfile.mkdtemp(dir="/tmp")
+    try:
+        environment = os.path.join(base, "clone", ".venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", environment], check=True, timeout=60)
+        (packages,) = [os.path.join(folder, "site-packages") for folder, found, _ in os.walk(environment)
+                       if "site-packages" in found]
+        with open(os.path.join(packages, "installed_here.py"), "w") as f:
+            f.write("VALUE = 42\n")
+        outside = os.path.join(base, "outside")
+        open(outside, "w").close()
+        result = subprocess.run([os.path.join(environment, "bin", "python"), "-c", UNDER_TMP, ROOT, outside,
+                                 "1599999997"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen = json.loads(result.stdout)
+        assert seen["kept"] == [seen["prefix"]] == [environment] and seen["isolated"]
+        assert not seen["outside_seen"]  # the machine's /tmp stays out of sight
+        assert seen["imported"] == 42
+        assert seen["root_writes_prefix"] == errno.EROFS  # read-only, whoever writes
+        assert seen["uid_writes_above"] == errno.EACCES  # the folders above it are root's
+        assert seen["uid_writes_tmp"] == 0  # the submission's own /tmp still takes its files
+    finally:
+        shutil.rmtree(base)
+
+
 def test_the_phase_is_graded_like_every_exercise():
     """auxiliary_phase: its hidden cases are hidden (they carry half the points, unseen before grades are
     published), and its public cases are disguised per student: a lookup of the shipped answers matches none."""
@@ -1144,12 +1202,19 @@ CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
 
 def like_docker():
     """The grader's process as in a default Docker container: root without CAP_SYS_ADMIN (dropped from the
-    bounding set: after exec it is in no set), and a /tmp of its own of 64 MiB (a mount namespace made first)."""
+    bounding set: after exec it is in no set), and a /tmp of its own of 64 MiB (a mount namespace made first).
+    The container's interpreter is part of its image: one under /tmp (a clone there) stays where it was."""
     import ctypes
+
+    from exercises import sandbox_child  # imported by the test's process already: no import in this fork
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.unshare(CLONE_NEWNS) == 0
     assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    interpreter = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY))
+                   for path in sandbox_child.interpreter_folders()]
     assert libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m,mode=1777") == 0
+    for path, descriptor in interpreter:
+        sandbox_child.bind_read_only(libc, descriptor, path)
     assert libc.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) == 0
 
 
@@ -1165,6 +1230,7 @@ def docker_graded():
 
 
 def graded_like_docker(base):
+    from exercises import sandbox_child  # noqa: F401 - for like_docker, which runs in a fork
     repository = private_repository(os.path.join(base, "repository"))
     folder, out = os.path.join(base, "submissions"), os.path.join(base, "grades")
     with open(os.path.join(ROOT, "ppo_procgen.py")) as f:
