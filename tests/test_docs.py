@@ -1047,7 +1047,7 @@ def test_quoted_exit_statuses_and_messages_are_a_real_runs(interrupted_runs):
 # Seven wrong edits, each of which its check above must report (each once passed an older, weaker check).
 POSIX_EXITS = {"SIGINT": 128 + 2, "SIGTERM": 128 + 15}  # what the real runs above exit with: 128 + the signal number
 PLANTED_EDITS = [
-    ("a flag default in a table", "docs/rlhf.md", "`--threads` (default 1)", "`--threads` (default 2)",
+    ("a flag default in the prose", "docs/rlhf.md", "`--threads` (default 1)", "`--threads` (default 2)",
      default_problems),
     ("StarPilot's anchor score", "docs/results.md", "35.12", "38.12", anchor_table_problems),
     ("the exit statuses", "README.md", "exits 130 / 143", "exits 1 / 2",
