@@ -193,3 +193,153 @@ def test_ppg_policy_phase_takes_the_sgd_steps_of_its_loss(arch, monkeypatch):
             sgd_step([list(reference.parameters())], loss, lr, args.max_grad_norm)
     assert_same_step(agent, reference, start)
     assert torch.equal(start["aux_critic.weight"], weights(agent)["aux_critic.weight"])
+
+
+# ---------------------------------------------------------------- the IMPALA learner: V-trace on aligned frames
+class LabelledFrames(gym.vector.VectorEnv):
+    """Deterministic games whose frame says where it is: pixel (0, 0) holds (step in the episode t, game b); game
+    b's episodes last lengths[b] steps; action a at step t earns 0.1 (t + 1) + 0.01 a. SAME_STEP autoreset, as
+    the scripts' ProcgenVecEnv: the last step returns done and the next episode's first frame."""
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, lengths):
+        self.lengths = np.array(lengths)
+        self.num_envs = len(lengths)
+        self.single_observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+        self.single_action_space = gym.spaces.Discrete(15)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
+
+    def frames(self):
+        frames = np.zeros((self.num_envs, 64, 64, 3), dtype=np.uint8)
+        frames[:, 0, 0, 0], frames[:, 0, 0, 1] = self.t, np.arange(self.num_envs)
+        return frames
+
+    def reset(self, *, seed=None, options=None):
+        self.t = np.zeros(self.num_envs, dtype=int)
+        return self.frames(), {}
+
+    def step(self, actions):
+        reward = 0.1 * (self.t + 1) + 0.01 * np.asarray(actions)
+        self.t += 1
+        done = self.t == self.lengths
+        self.t[done] = 0
+        return self.frames(), reward, done, np.zeros(self.num_envs, dtype=bool), {}
+
+
+class FrameTable(nn.Module):
+    """A network that tells every frame apart: logits and a value looked up by the frame's (t, game), each entry
+    drawn at random, so that pairing a frame with its neighbour's action changes log rho by about 1."""
+
+    def __init__(self, seed):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = nn.Parameter(torch.randn(8, 4, 15, generator=generator))
+        self.values = nn.Parameter(torch.randn(8, 4, generator=generator))
+
+    def forward(self, obs):
+        t, game = obs[:, 0, 0, 0].long(), obs[:, 0, 0, 1].long()
+        return self.logits[t, game], self.values[t, game]
+
+
+def impala_unroll(T=6):
+    """An unroll as the actor hands it to the learner, played by a behaviour policy mu that is not pi."""
+    envs = LabelledFrames([2, 3, 4, 5])
+    mu = FrameTable(seed=1)
+    return vtrace.collect_unroll(mu, envs, torch.as_tensor(envs.reset()[0]), T,
+                                 generator=torch.Generator().manual_seed(0))
+
+
+def naive_vtrace(log_rhos, discounts, rewards, values, bootstrap, rho_bar, c_bar, pg_rho_bar, lam):
+    """IMPALA Eq. 1 as its double sum, per game, in float64: v_s = V(x_s) + sum_{t>=s} (prod_{s<=i<t} gamma_i
+    c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t)), rho_t = min(rho_bar, pi/mu), c_i = lambda min(c_bar, pi/mu);
+    the policy gradient's advantage min(pg_rho_bar, pi/mu) (r_s + gamma_s v_{s+1} - V(x_s)), v_T = V(x_T)."""
+    T, B = len(rewards), len(rewards[0])
+    ratios = [[math.exp(log_rhos[t][b]) for b in range(B)] for t in range(T)]
+    vs = [[0.0] * B for _ in range(T + 1)]
+    advantages = [[0.0] * B for _ in range(T)]
+    for b in range(B):
+        next_values = [values[t + 1][b] if t + 1 < T else bootstrap[b] for t in range(T)]
+        vs[T][b] = bootstrap[b]
+        for s in range(T):
+            total, trace = 0.0, 1.0
+            for t in range(s, T):
+                delta = min(rho_bar, ratios[t][b]) * (rewards[t][b] + discounts[t][b] * next_values[t] - values[t][b])
+                total += trace * delta
+                trace *= discounts[t][b] * lam * min(c_bar, ratios[t][b])
+            vs[s][b] = values[s][b] + total
+        for s in range(T):
+            advantages[s][b] = min(pg_rho_bar, ratios[s][b]) * (rewards[s][b] + discounts[s][b] * vs[s + 1][b]
+                                                                 - values[s][b])
+    return torch.tensor(vs[:T], dtype=torch.float64), torch.tensor(advantages, dtype=torch.float64)
+
+
+VTRACE_FLAGS = dict(gamma=0.9, rho_bar=1.3, c_bar=0.8, pg_rho_bar=1.1, vtrace_lambda=0.9, baseline_cost=0.7,
+                    entropy_cost=0.05, max_grad_norm=math.inf)
+
+
+def test_learner_pairs_each_frame_with_its_own_action_and_behaviour_policy(monkeypatch):
+    """log rho_s = log pi(a_s|x_s) - log mu(a_s|x_s), each term of step s, on a policy that tells the frames apart:
+    a frame paired with its neighbour's logits changes log rho by far more than the tolerance."""
+    args = vtrace.Args(**VTRACE_FLAGS)
+    unroll = impala_unroll()
+    pi = FrameTable(seed=2)
+    seen = {}
+
+    def spy(log_rhos, *arguments):
+        seen["log_rhos"] = log_rhos
+        return from_importance_weights(log_rhos, *arguments)
+
+    from_importance_weights = vtrace.from_importance_weights
+    monkeypatch.setattr(vtrace, "from_importance_weights", spy)
+    vtrace.vtrace_backward(pi, torch.optim.SGD(pi.parameters(), lr=0.0), unroll, args, contextlib.nullcontext)
+    T, B = unroll["actions"].shape
+    expected = torch.zeros(T, B, dtype=torch.float64)
+    with torch.no_grad():
+        for t in range(T):
+            logits = pi(unroll["obs"][t])[0].double()
+            for b in range(B):
+                action = unroll["actions"][t, b]
+                expected[t, b] = (torch.log_softmax(logits[b], -1)[action]
+                                  - torch.log_softmax(unroll["behaviour_logits"][t, b].double(), -1)[action])
+    torch.testing.assert_close(seen["log_rhos"].double(), expected, rtol=0, atol=1e-5)
+    assert (expected[1:] - expected[:-1]).abs().mean() > 0.5  # a one-step shift would be seen at once
+
+
+def test_learner_gradient_is_the_vtrace_loss_of_the_double_sum():
+    """The learner's gradient on one unroll equals that of IMPALA's loss written out from V-trace's definition
+    (means over T x B, as the script documents): -log pi(a_s|x_s) A_s + b 1/2 (v_s - V(x_s))^2 - e H(pi(.|x_s)),
+    v_s and A_s held constant, bootstrapped from the learner's V(x_T), gamma_s = gamma (1 - done_s); every clip and
+    lambda away from 1 and every coefficient away from its default."""
+    args = vtrace.Args(**VTRACE_FLAGS)
+    unroll = impala_unroll()
+    pi = FrameTable(seed=2)
+    vtrace.vtrace_backward(pi, torch.optim.SGD(pi.parameters(), lr=0.0), unroll, args, contextlib.nullcontext)
+    got = [param.grad.clone() for param in pi.parameters()]
+
+    reference = FrameTable(seed=2)
+    T, B = unroll["actions"].shape
+    logits, values = zip(*(reference(frames) for frames in unroll["obs"]))  # x_0 .. x_T, one step at a time
+    log_pi = [torch.log_softmax(step_logits.double(), -1) for step_logits in logits]
+    log_mu = torch.log_softmax(unroll["behaviour_logits"].double(), -1)
+    actions, dones = unroll["actions"].tolist(), unroll["dones"].tolist()
+    log_rhos = [[(log_pi[t][b, actions[t][b]] - log_mu[t, b, actions[t][b]]).item() for b in range(B)]
+                for t in range(T)]
+    discounts = [[args.gamma * (1 - dones[t][b]) for b in range(B)] for t in range(T)]
+    plain_values = [[values[t][b].item() for b in range(B)] for t in range(T)]
+    vs, advantages = naive_vtrace(log_rhos, discounts, unroll["rewards"].double().tolist(), plain_values,
+                                  values[T].tolist(), args.rho_bar, args.c_bar, args.pg_rho_bar, args.vtrace_lambda)
+    loss = 0.0
+    for t in range(T):
+        for b in range(B):
+            entropy = -(log_pi[t][b].exp() * log_pi[t][b]).sum()
+            loss = loss + (-log_pi[t][b, actions[t][b]] * advantages[t, b]
+                           + args.baseline_cost * 0.5 * (vs[t, b] - values[t][b].double()) ** 2
+                           - args.entropy_cost * entropy)
+    want = torch.autograd.grad(loss / (T * B), list(reference.parameters()))
+    assert unroll["dones"].sum() > 0 and (torch.tensor(log_rhos).exp() > args.rho_bar).any()
+    for name, got_grad, want_grad in zip(["logits", "values"], got, want):
+        assert want_grad.abs().max() > 1e-3
+        torch.testing.assert_close(got_grad.double(), want_grad.double(), rtol=1e-4, atol=1e-6,
+                                   msg=lambda text: f"{name}: {text}")
