@@ -54,9 +54,9 @@ class Args:
     num_minibatches: int = 8
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
-    """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1). With
-    auxiliary phases a checkpoint is taken only at a phase's end, where B is empty, so --save-every must be
-    a multiple of it and a cut loses up to N_pi iterations (at the defaults 32 x 64 x 256 = 524,288 steps)"""
+    """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1).
+    With auxiliary phases a run resumes only at a phase's end, where B is empty: --save-every is
+    a multiple of N_pi, and a cut loses up to N_pi iterations (32 x 64 x 256 = 524,288 steps)"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
     e_v: int = 1
@@ -537,14 +537,14 @@ def aux_rollouts_per_rank(args, world_size=None):
 
 def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, check_stop=None):
     """PPG Algorithm 1's auxiliary phase on B's whole rollouts: aux_obs [R, T, 64, 64, 3], their
-    V_targ in aux_value_targets [R, T]. Returns mean losses and the rollouts it distilled (all
-    ranks'). `check_stop()`, called before each minibatch, may raise to drop the phase (a signal)."""
+    V_targ in aux_value_targets [R, T]. Returns mean losses. `check_stop()`, called before each
+    minibatch, may raise to drop the phase (a signal)."""
     device = optimizer.param_groups[0]["params"][0].device  # the networks'
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=args.amp)
     rollouts_per_minibatch = aux_rollouts_per_rank(args)  # this rank's share of a minibatch
     old_logits = []  # "Compute and store current policy pi_old(.|s_t) for all states s_t in B"
     with torch.no_grad(), autocast():
-        for obs in aux_obs.split(rollouts_per_minibatch):  # slices of a pinned B copy asynchronously
+        for obs in aux_obs.split(rollouts_per_minibatch):  # a pinned B's slices copy asynchronously
             if check_stop is not None:
                 check_stop()
             old_logits.append(forward_aux(obs.to(device, non_blocking=True).flatten(0, 1))[0].float())
@@ -571,8 +571,7 @@ def auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, args, ch
             raise FloatingPointError(f"non-finite auxiliary loss {loss.item()} or gradient in epoch {epoch}")
         optimizer.step()
     means = all_reduce_mean(totals / len(schedule)).tolist()
-    return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2],
-            "aux/rollouts": len(aux_obs) * num_ranks()}
+    return {"aux/aux_value_loss": means[0], "aux/kl": means[1], "aux/value_loss": means[2]}
 
 
 def train(args):
@@ -613,7 +612,7 @@ def train(args):
     next_obs = frames_to_device(envs.reset(seed=game_seed(args.seed, start_iteration, run.rank))[0])
     next_done = torch.zeros(local_envs, device=device)
     global_step = (start_iteration - 1) * batch_size
-    # A signal stops the run at the next rollout step or minibatch, saving the last resume point (below).
+    # A signal stops the run at the next rollout step or minibatch, saving the last resume point.
     with StopOnSignal(run, closing=(envs,)) as stop:
         for iteration in range(start_iteration, num_iterations + 1):
             if args.anneal_lr:  # linearly to 0 over the run
@@ -669,11 +668,13 @@ def train(args):
                 aux_obs[(iteration - 1) % args.n_pi] = obs.transpose(0, 1)
                 aux_value_targets[(iteration - 1) % args.n_pi] = returns.transpose(0, 1)
 
-            # Auxiliary phase (every N_pi iterations), after the policy phase's last iteration. As in the
-            # PPG code, none follows the run's last iteration: no policy phase would use what it learned.
+            # Auxiliary phase (every N_pi iterations), after the policy phase's last iteration. As
+            # in the PPG code, none follows the run's last iteration: no policy phase would use it.
             if args.e_aux and iteration % args.n_pi == 0 and iteration < num_iterations:
-                stats.update(auxiliary_phase(forward_aux, aux_optimizer, aux_obs.flatten(0, 1),
+                rollouts = aux_obs.flatten(0, 1)  # all of B: N_pi x games whole rollouts
+                stats.update(auxiliary_phase(forward_aux, aux_optimizer, rollouts,
                                              aux_value_targets.flatten(0, 1), args, stop.check))
+                stats["aux/rollouts"] = len(rollouts) * run.world_size  # every rank's B is alike
 
             # 4. Log; then evaluate, save a checkpoint and stop where the flags or a signal ask.
             stats.update({"time/rollout": update_start - rollout_start, "time/env": env_seconds,
@@ -682,11 +683,12 @@ def train(args):
             log_iteration(run, iteration, global_step, episodes, stats)
             if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
                 evaluate_and_log(run, agent, iteration, global_step)
-            # B is not saved (6 GiB at the defaults), so a run resumes only where B is empty: after an
-            # auxiliary phase (or at the run's end). A signal inside a phase saves the phase's start.
-            if not args.e_aux or iteration % args.n_pi == 0 or iteration == num_iterations:
-                state = checkpoint_state(run, iteration, agent, optimizers, envs, kl_beta)
-                stop.end_iteration(state, last=iteration == num_iterations)
+            # B is not saved (6 GiB at the defaults), so a run resumes only where B is empty: after
+            # an auxiliary phase (or the run's end). A signal inside a phase saves its start.
+            if args.e_aux and iteration % args.n_pi and iteration < num_iterations:
+                continue  # inside a phase: no resume point
+            state = checkpoint_state(run, iteration, agent, optimizers, envs, kl_beta)
+            stop.end_iteration(state, last=iteration == num_iterations)
     return run.dir
 
 
@@ -924,9 +926,9 @@ def allocate_buffer(run):
         return None, None
     num_iterations = args.total_timesteps // (args.num_envs * args.num_steps)
     resumed = run.checkpoint["iteration"] if args.resume else 0
-    require(resumed % args.n_pi == 0 or resumed == num_iterations, f"--resume {args.resume}: iteration "
-            f"{resumed} is inside a phase of --n-pi {args.n_pi}, where B is partly filled and not saved (a "
-            "checkpoint of an earlier version); resume it with that version")
+    require(resumed % args.n_pi == 0 or resumed == num_iterations, f"--resume {args.resume}: "
+            f"iteration {resumed} is inside a phase of --n-pi {args.n_pi}, where B is partly "
+            "filled and not saved (a checkpoint of an earlier version): resume it with that one")
     leftover = num_iterations % args.n_pi
     if leftover:
         print(f"note: the last {leftover} iterations are not followed by an auxiliary phase")
@@ -1510,9 +1512,10 @@ def check_args(args):
     rollouts = aux_rollouts_per_rank(args, world_size)
     require(rollouts % args.n_aux_grad_accum == 0, f"--n-aux-grad-accum {args.n_aux_grad_accum} must divide "
             f"the {rollouts} rollouts of each rank's auxiliary minibatch (--num-aux-rollouts / ranks)")
-    require(not (args.save_model and args.e_aux) or args.save_every % args.n_pi == 0, f"--save-every "
-            f"{args.save_every} must be a multiple of --n-pi {args.n_pi}: a checkpoint is taken only at the end of "
-            f"an auxiliary phase; try {args.n_pi * max(1, round(args.save_every / args.n_pi))}")
+    phases = max(1, round(args.save_every / args.n_pi))
+    require(not (args.save_model and args.e_aux) or args.save_every % args.n_pi == 0,
+            f"--save-every {args.save_every} must be a multiple of --n-pi {args.n_pi}: a run saves "
+            f"a checkpoint only at the end of an auxiliary phase; try {args.n_pi * phases}")
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured

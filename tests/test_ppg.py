@@ -67,8 +67,7 @@ def test_auxiliary_phase_fits_values_and_keeps_the_policy(arch):
     aux_after, kl_after, value_after = buffer_losses(agent, aux_obs, aux_returns, old_logits)
     assert aux_after < 0.5 * aux_before and value_after < 0.5 * value_before, (aux_before, aux_after, value_after)
     assert 0 < kl_after < 0.02 and stats["aux/kl"] < 0.02
-    assert set(stats) == {"aux/aux_value_loss", "aux/kl", "aux/value_loss", "aux/rollouts"}
-    assert stats["aux/rollouts"] == len(aux_obs)  # one process: all of B's rollouts are its own
+    assert set(stats) == {"aux/aux_value_loss", "aux/kl", "aux/value_loss"}
 
 
 def test_kl_is_zero_when_nothing_moves():
@@ -240,8 +239,8 @@ def test_bad_ppg_flags_fail_at_once():
     ppg.check_args(ppg.Args(save_every=100))
     ppg.check_args(ppg.Args(save_every=100, save_model=True, e_aux=0))  # no auxiliary phase: PPO's checkpoints
     ppg.check_args(ppg.Args(save_every=96, save_model=True))
-    with pytest.raises(SystemExit, match=r"^error: --save-every 100 must be a multiple of --n-pi 32: a checkpoint is "
-                                         r"taken only at the end of an auxiliary phase; try 96$"):
+    with pytest.raises(SystemExit, match=r"^error: --save-every 100 must be a multiple of --n-pi 32: a run saves a "
+                                         r"checkpoint only at the end of an auxiliary phase; try 96$"):
         ppg.check_args(ppg.Args(save_every=100, save_model=True))
     with pytest.raises(SystemExit, match="--minibatch-unit games splits each rank's 64 envs into --num-minibatches 128"):
         ppg.check_args(ppg.Args(num_minibatches=128))
