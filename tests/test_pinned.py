@@ -343,3 +343,105 @@ def test_learner_gradient_is_the_vtrace_loss_of_the_double_sum():
         assert want_grad.abs().max() > 1e-3
         torch.testing.assert_close(got_grad.double(), want_grad.double(), rtol=1e-4, atol=1e-6,
                                    msg=lambda text: f"{name}: {text}")
+
+
+# ---------------------------------------------------------------- PPG's buffer B
+class RecordedGames(gym.vector.VectorWrapper):
+    """The training games as the agent sees them: the first frames, then each step's frames, (normalized) rewards
+    and episode ends."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.frames, self.rewards, self.ends = [], [], []
+
+    def __getattr__(self, name):  # the reward normalizer's statistics, which checkpoints read
+        return getattr(self.env, name)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self.frames.append(obs.copy())
+        return obs, info
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.frames.append(obs.copy())
+        self.rewards.append(np.asarray(reward, dtype=np.float64).copy())
+        self.ends.append(terminated | truncated)
+        return obs, reward, terminated, truncated, info
+
+
+def naive_gae(rewards, values, ends, bootstrap, gamma, lam):
+    """GAE's definition for one game, in float64: A_t = sum_{k>=t} (gamma lambda)^(k-t) delta_k, summed until the
+    episode ends, delta_k = r_k + gamma V(s_{k+1}) (1 - end_k) - V(s_k), V(s_T) the bootstrap."""
+    T = len(rewards)
+    next_values = list(values[1:]) + [bootstrap]
+    advantages = []
+    for t in range(T):
+        total, weight = 0.0, 1.0
+        for k in range(t, T):
+            total += weight * (rewards[k] + gamma * next_values[k] * (1 - ends[k]) - values[k])
+            if ends[k]:
+                break
+            weight *= gamma * lam
+        advantages.append(total)
+    return advantages
+
+
+def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkeypatch):
+    """PPG Algorithm 1: "add all (s_t, V_targ(s_t)) to B", V_targ = A + V of the rollout that played s_t. Every game's
+    whole rollout of the phase's iterations enters B once, frames exactly, targets equal to a naive GAE sum over the
+    rewards the agent saw plus the values it computed while playing (gamma and lambda away from the defaults)."""
+    monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
+    games, forwards, phases = [], [], []
+
+    def recorded_env(args, num_envs):
+        games.append(RecordedGames(make_env(args, num_envs)))
+        return games[-1]
+
+    class RecordedAgent(ppg.Agent):
+        def forward(self, obs):  # the rollout's and the bootstrap's passes run without gradient
+            logits, value = super().forward(obs)
+            if not torch.is_grad_enabled():
+                forwards.append((obs.clone(), value.clone()))
+            return logits, value
+
+    def recorded_phase(forward_aux, optimizer, aux_obs, aux_value_targets, *rest):
+        phases.append((aux_obs.clone(), aux_value_targets.clone(), len(forwards)))
+        return auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, *rest)
+
+    make_env, auxiliary_phase = ppg.make_env, ppg.auxiliary_phase
+    monkeypatch.setattr(ppg, "make_env", recorded_env)
+    monkeypatch.setattr(ppg, "Agent", RecordedAgent)
+    monkeypatch.setattr(ppg, "auxiliary_phase", recorded_phase)
+    num_envs, T, n_pi = 4, 6, 2
+    args = ppg.Args(env_id="coinrun", total_timesteps=3 * num_envs * T, num_envs=num_envs, num_steps=T,
+                    num_minibatches=2, channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, n_pi=n_pi,
+                    e_aux=1, num_aux_rollouts=4, gamma=0.9, gae_lambda=0.8, torch_threads=1)
+    train_in(in_tmp, ppg, args)
+
+    (aux_obs, aux_targets, forwards_before), = phases  # one phase, after iteration 2 of 3
+    assert forwards_before == n_pi * (T + 1)  # each iteration: T rollout steps and the bootstrap V(s_T)
+    (recorded,) = games
+    rollouts = []  # every (iteration, game): its frames [T, 64, 64, 3] and V_targ [T]
+    for iteration in range(n_pi):
+        steps = range(iteration * T, (iteration + 1) * T)
+        passes = forwards[iteration * (T + 1): (iteration + 1) * (T + 1)]
+        frames = np.stack([recorded.frames[step] for step in steps])  # [T, games, ...]
+        assert all(np.array_equal(obs.numpy(), frames[t]) for t, (obs, _) in enumerate(passes[:-1]))
+        values = torch.stack([value for _, value in passes]).double()  # [T + 1, games]: V(s_0) .. V(s_T)
+        for game in range(num_envs):
+            rewards = [recorded.rewards[step][game] for step in steps]
+            ends = [bool(recorded.ends[step][game]) for step in steps]
+            assert any(ends)  # episodes end inside the rollout: the sum must stop there
+            advantages = naive_gae(rewards, values[:T, game].tolist(), ends, values[T, game].item(), 0.9, 0.8)
+            targets = torch.tensor(advantages, dtype=torch.float64) + values[:T, game]
+            rollouts.append((frames[:, game], targets))
+
+    assert aux_obs.shape[:2] == aux_targets.shape == (n_pi * num_envs, T)
+    unmatched = list(range(len(rollouts)))
+    for row in range(len(aux_obs)):  # each of B's rollouts is one of the played ones, each played one is in B once
+        matches = [index for index in unmatched if np.array_equal(aux_obs[row].numpy(), rollouts[index][0])
+                   and torch.allclose(aux_targets[row].double(), rollouts[index][1], rtol=1e-5, atol=1e-5)]
+        assert matches, f"B's rollout {row} is no rollout of the phase with its V_targ = A + V"
+        unmatched.remove(matches[0])
+    assert not unmatched
