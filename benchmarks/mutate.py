@@ -194,7 +194,7 @@ def main():
     if args.list:
         for mutant in mutants:
             equivalent = "  (argued equivalent)" if mutant.get("equivalent") else ""
-            print(f"{mutant['id']:<34} {mutant['file']:<17} {mutant['description']}{equivalent}")
+            print(f"{mutant['id']:<38} {mutant['file']:<16} {mutant['description']}{equivalent}")
         return
     if args.only:
         unknown = sorted(set(args.only) - {mutant["id"] for mutant in mutants})
@@ -217,7 +217,8 @@ def main():
         if not passed:
             raise SystemExit(f"error: the unmutated tests fail ({reason}); mutation testing needs them green")
         print(f"baseline: the {len(mutants)} mutants' tests pass unmutated ({baseline_seconds:.0f} s)")
-        print(f"{'mutant':<34} {'status':<10} {'seconds':>7}  caught by")
+        width = max(len(mutant["id"]) for mutant in mutants)
+        print(f"{'mutant':<{width}} {'status':<10} {'seconds':>7}  caught by")
 
         def one(mutant):
             if stopping.is_set():
@@ -231,7 +232,7 @@ def main():
                 for future in concurrent.futures.as_completed(futures):
                     record = future.result()
                     records[record["id"]] = record
-                    print(f"{record['id']:<34} {record['status']:<10} {record['seconds']:>7.1f}  "
+                    print(f"{record['id']:<{width}} {record['status']:<10} {record['seconds']:>7.1f}  "
                           f"{record['caught_by'] or ''}", flush=True)
             except KeyboardInterrupt:
                 stopping.set()
