@@ -7,6 +7,7 @@ that only a learning curve would otherwise see. A one-line slip in any of them c
 tolerance, instead of lowering a learning curve by luck."""
 import contextlib
 import copy
+import functools
 import dataclasses
 import math
 
@@ -445,3 +446,84 @@ def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkey
         assert matches, f"B's rollout {row} is no rollout of the phase with its V_targ = A + V"
         unmatched.remove(matches[0])
     assert not unmatched
+
+
+# ---------------------------------------------------------------- evaluation on levels that training never plays
+def procgen_level(rand_seed, num_levels, start_level, game, episode):
+    """Procgen's level draws in closed form: game `game` of a vector env made with `rand_seed` plays, in its
+    `episode`-th episode, a level drawn by a generator seeded from rand_seed: uniformly from
+    [start_level, start_level + num_levels), or from all 2^31 - 1 level seeds when num_levels is 0 (then
+    start_level is ignored). Two vector envs with the same rand_seed and level set play the same levels."""
+    draw = int(np.random.SeedSequence([rand_seed, game, episode]).generate_state(1)[0])
+    if num_levels == 0:
+        return draw % (2**31 - 1)
+    return start_level + draw % num_levels
+
+
+class LevelGames:
+    """procgen's gym3 env as the scripts' adapter drives it (observe, act, close), whose episodes last two steps and
+    which records the level of every episode it starts under `role` ("train" or "eval")."""
+
+    def __init__(self, num_envs, rand_seed, num_levels, start_level, role, played):
+        self.level = functools.partial(procgen_level, rand_seed, num_levels, start_level)
+        self.t, self.episode = np.zeros(num_envs, dtype=int), np.zeros(num_envs, dtype=int)
+        self.first = np.ones(num_envs, dtype=bool)
+        self.role, self.played = role, played
+        for game in range(num_envs):
+            played.append((role, self.level(game, 0)))
+
+    def act(self, actions):
+        self.t += 1
+        self.first = self.t == 2
+        for game in np.flatnonzero(self.first):
+            self.t[game], self.episode[game] = 0, self.episode[game] + 1
+            self.played.append((self.role, self.level(game, self.episode[game])))
+
+    def observe(self):
+        frames = np.zeros((len(self.t), 64, 64, 3), dtype=np.uint8)
+        return np.zeros(len(self.t), dtype=np.float32), {"rgb": frames}, self.first.copy()
+
+    def close(self):
+        pass
+
+
+LEVEL_RUNS = {  # two iterations, evaluated after each; an odd number of games: one pool, seeded by the run's seed
+    "ppo": (ppo, dict(num_steps=4, num_minibatches=1, update_epochs=1, total_timesteps=2 * 3 * 4)),
+    "ppg": (ppg, dict(num_steps=4, num_minibatches=1, n_pi=2, e_aux=1, num_aux_rollouts=3,
+                      total_timesteps=2 * 3 * 4)),
+    "vtrace": (vtrace, dict(unroll_length=4, updates_per_iteration=1, total_timesteps=2 * 3 * 4)),
+}
+
+
+@pytest.mark.parametrize("num_levels, start_level", [(0, 0), (2, 7)], ids=["all-levels", "two-levels"])
+@pytest.mark.parametrize("script", LEVEL_RUNS)
+def test_evaluation_plays_levels_that_training_never_plays(script, num_levels, start_level, in_tmp, monkeypatch):
+    """The Procgen protocol: train on a level set (all levels, or --num-levels N from --start-level), evaluate on
+    levels drawn from the full distribution. Whatever the training set, no level evaluated at any iteration is one
+    that training played: with all levels, evaluation's games must not be seeded like training's."""
+    module, flags = LEVEL_RUNS[script]
+    played, role = [], ["train"]
+
+    def games(backend, num_envs, seed, env_name, distribution_mode, num_levels=0, start_level=0, num_threads=1):
+        return LevelGames(num_envs, seed, num_levels, start_level, role[0], played)
+
+    def evaluation(*arguments, **keywords):
+        role[0] = "eval"
+        try:
+            return evaluate(*arguments, **keywords)
+        finally:
+            role[0] = "train"
+
+    evaluate = module.evaluate
+    monkeypatch.setattr(module, "procgen_backend", lambda choice: "procgen")
+    monkeypatch.setattr(module, "make_games", games)
+    monkeypatch.setattr(module, "evaluate", evaluation)
+    args = module.Args(env_id="coinrun", num_envs=3, channels=(4,), hidden_size=16, eval_every=1, eval_episodes=2,
+                       torch_threads=1, num_levels=num_levels, start_level=start_level, **flags)
+    train_in(in_tmp, module, args)
+    trained = {level for who, level in played if who == "train"}
+    evaluated = {level for who, level in played if who == "eval"}
+    if num_levels:
+        assert trained == set(range(start_level, start_level + num_levels))
+    assert len(trained) >= 2 and len(evaluated) >= 4  # two evaluations of two games each
+    assert not trained & evaluated
