@@ -41,6 +41,18 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+def cpu_has_bfloat16_instructions():
+    """Whether the CPU computes bfloat16 itself: x86's AVX512-BF16 or AMX-BF16, as Linux lists them in
+    /proc/cpuinfo (the CPUID bits that oneDNN reads). Without them torch emulates --amp's bfloat16 convolutions
+    on the CPU, many times slower than float32. False where there is no such list (not Linux): no claim."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def train_in(workdir, module, args, cue_env=False):
     """`module.train` on a copy of `args` (it may fill some in: env_threads) with runs/ in `workdir` (on CueEnv if
     asked); torch's thread count restored afterwards (train() sets its own)."""
