@@ -1127,6 +1127,10 @@ def map_span_problems(span, script):
         return [f"`{span}`: {script} has no flag {flag}" for flag in flags if flag not in flags_of(script)]
     if re.fullmatch(r"[\w/.-]+\.(py|md|json)", span):
         return []
+    if re.fullmatch(r"[a-z_]+(/\w+)+", span):  # a metric key, `aux/rollouts`: each part is in the script's text
+        source = open(os.path.join(ROOT, script)).read()
+        missing = [part for part in span.split("/") if not re.search(rf"\b{part}\b", source)]
+        return [f"`{span}`: {script} never writes {part}" for part in missing]
     keyword = re.fullmatch(r"(\w+)=\S+", span)  # `epochs_v=E_V`: a keyword of a call, the value a paper symbol
     if keyword:
         found = any(keyword.group(1) in names for names in parameters.values())
