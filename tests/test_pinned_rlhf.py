@@ -66,3 +66,104 @@ def test_best_of_n_reports_the_expected_best_of_n_draws_by_brute_force(monkeypat
         assert row["gold/score"] == pytest.approx(best_gold, abs=1e-9)
         assert row["kl_bound"] == pytest.approx(math.log(n) - (n - 1) / n, abs=1e-12)
     assert rows[-1]["proxy/score"] > rows[0]["proxy/score"] + 1.0  # the best of 8 is far above one draw
+
+
+# ---------------------------------------------------------------- the RL stage: rollout and update
+def tiny_models(seed=0):
+    torch.manual_seed(seed)
+    args = M.Args(d_model=16, n_heads=2, n_layers=1, rollout_batch_size=16, num_minibatches=1, ppo_epochs=1,
+                  beta=0.2, gamma=0.95, lam=0.9, vf_coef=0.37, clip_coef=0.1, clip_coef_value=0.15,
+                  max_grad_norm=math.inf)
+    policy, ref = M.make_model(args, len(M.VOCAB)), M.make_model(args, len(M.VOCAB)).requires_grad_(False)
+    critic = M.make_model(args, 1)
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(args.rollout_batch_size, generator=generator)
+    rl = M.RLSetup(policy=policy, ref_policy=ref, critic=critic, score_fn=lambda queries, responses: scores.clone(),
+                   sample_prompts=lambda count: M.random_prompts(count, "cpu"))
+    return args, rl, scores
+
+
+def response_lengths(responses):
+    """Tokens up to and including the first EOS (all of them without one)."""
+    return [row.index(M.EOS) + 1 if M.EOS in row else len(row) for row in responses.tolist()]
+
+
+def test_rollout_hands_the_update_instructgpts_rewards_and_gae_on_aligned_tokens():
+    """collect_rollout against the definitions, token by token in float64: log pi(y_t | x, y_<t) and V(x, y_<t)
+    each from a forward pass on the prefix alone; the reward -beta (log pi - log pi_ref) on every response token,
+    plus the score on the last (InstructGPT Eq. 2); GAE summed over the response (V = 0 after it); the advantages
+    whitened over the response tokens (population variance), the returns A + V."""
+    args, rl, scores = tiny_models()
+    queries = M.random_prompts(args.rollout_batch_size, "cpu")
+    batch = M.collect_rollout(rl, queries, args.beta, args)
+    lengths = response_lengths(batch["responses"])
+    assert min(lengths) < args.max_response_len  # some responses end early: the mask matters
+    advantages, returns, values = {}, {}, {}
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            rewards = []
+            for t in range(length):
+                prefix = torch.cat([queries[row], batch["responses"][row, :t]])[None]
+                token = batch["responses"][row, t]
+                log_pi = torch.log_softmax(rl.policy(prefix)[0, -1].double() / args.temperature, -1)[token]
+                log_ref = torch.log_softmax(rl.ref_policy(prefix)[0, -1].double() / args.temperature, -1)[token]
+                values[row, t] = rl.critic(prefix)[0, -1].item()
+                assert batch["logp"][row, t].item() == pytest.approx(log_pi.item(), abs=1e-5)
+                rewards.append(-args.beta * (log_pi - log_ref).item() + (scores[row].item() if t == length - 1 else 0))
+            for t in range(length):
+                advantage = sum((args.gamma * args.lam) ** (k - t) * (
+                    rewards[k] + args.gamma * (values[row, k + 1] if k + 1 < length else 0.0) - values[row, k])
+                    for k in range(t, length))
+                advantages[row, t], returns[row, t] = advantage, advantage + values[row, t]
+    mean = sum(advantages.values()) / len(advantages)
+    std = math.sqrt(sum((a - mean) ** 2 for a in advantages.values()) / len(advantages))
+    mask = batch["mask"]
+    assert mask.sum().item() == len(advantages) and (batch["rewards"] * (1 - mask)).abs().max() == 0
+    for (row, t), advantage in advantages.items():
+        assert batch["values"][row, t].item() == pytest.approx(values[row, t], abs=1e-5)
+        assert batch["returns"][row, t].item() == pytest.approx(returns[row, t], abs=1e-4)
+        assert batch["advantages"][row, t].item() == pytest.approx((advantage - mean) / std, abs=1e-4)
+
+
+def test_update_takes_the_sgd_step_of_the_clipped_surrogate_plus_the_value_loss():
+    """One minibatch, one epoch, plain SGD on policy and critic together: the weights move exactly as on the loss
+    written per token in float64, -min(r A, clip(r, 1 - eps, 1 + eps) A) + c_V 1/2 max((V - R)^2, (V_clip - R)^2)
+    as masked means over the response tokens. pi_old and the rollout's values are moved away from the current ones,
+    so that both clips bite; c_V is away from its default."""
+    args, rl, _ = tiny_models(seed=1)
+    batch = M.collect_rollout(rl, M.random_prompts(args.rollout_batch_size, "cpu"), args.beta, args)
+    generator = torch.Generator().manual_seed(2)
+    mask = batch["mask"]
+    batch["logp"] = (batch["logp"] + 0.2 * torch.randn(mask.shape, generator=generator)) * mask
+    batch["values"] = (batch["values"] + 0.3 * torch.randn(mask.shape, generator=generator)) * mask
+    reference = copy.deepcopy(rl)
+    lr = 0.05
+    M.ppo_update(rl, torch.optim.SGD([*rl.policy.parameters(), *rl.critic.parameters()], lr=lr), batch, args,
+                 args.beta)
+
+    queries, responses = batch["queries"], batch["responses"]
+    tokens = torch.cat([queries, responses], 1)
+    logits = reference.policy(tokens)
+    values = reference.critic(tokens)
+    policy_terms, value_terms = [], []
+    for row, length in enumerate(response_lengths(responses)):
+        for t in range(length):
+            position = queries.shape[1] - 1 + t  # the position whose output predicts response token t
+            log_pi = torch.log_softmax(logits[row, position].double() / args.temperature, -1)[responses[row, t]]
+            ratio = torch.exp(log_pi - batch["logp"][row, t].double())
+            advantage = batch["advantages"][row, t].double()
+            clipped = torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            policy_terms.append(-torch.minimum(ratio * advantage, clipped * advantage))
+            value, old_value = values[row, position].double(), batch["values"][row, t].double()
+            target = batch["returns"][row, t].double()
+            clipped_value = old_value + torch.clamp(value - old_value, -args.clip_coef_value, args.clip_coef_value)
+            value_terms.append(0.5 * torch.maximum((value - target) ** 2, (clipped_value - target) ** 2))
+    loss = sum(policy_terms) / len(policy_terms) + args.vf_coef * sum(value_terms) / len(value_terms)
+    params = [*reference.policy.parameters(), *reference.critic.parameters()]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    moved = [*rl.policy.parameters(), *rl.critic.parameters()]
+    largest = max(grad.abs().max().item() for grad in grads if grad is not None) * lr
+    assert largest > 1e-4
+    for param, grad, after in zip(params, grads, moved):
+        step = torch.zeros_like(param) if grad is None else -lr * grad
+        torch.testing.assert_close(after.detach() - param.detach(), step, rtol=1e-3, atol=1e-3 * largest)
