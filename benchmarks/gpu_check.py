@@ -1,58 +1,65 @@
 """The GPU check's steps, run by `bash benchmarks/gpu_bench.sh` on any machine with a CUDA GPU.
 
-The steps come in the order of their value, so that a run cut short still returns the most
-important numbers, and their budgets add up: with the reserve kept for the end (RESERVE_S) they
-fit DEADLINE_S, so at the default deadline every step gets its whole budget (tests/test_gpu_check.py
-checks the sum). A budget is a step's whole wall time: past budget - GRACE_S, SIGTERM to its
-process group (the scripts stop at their next clean point), at the budget SIGKILL. Before each step
-the deadline is checked: it starts only if its need is left before the deadline (less the reserve),
-and its budget is cut to what is left; otherwise it is recorded as "no time" with the seconds it
-needed. A failed step is recorded and the next one runs.
+By default it runs what no GPU has measured yet, in the order of its value, so that a run cut short
+still returns the most important numbers: the preflight, the CUDA tests (those of the CUDA graph and
+of the host's advantages first), then PPO's new speed flags against its defaults in one bench.py run.
+The steps measured before (marked "asked") run only when --steps names them (or "all"). The default
+steps' budgets add up: with the reserve kept for the end (RESERVE_S) they fit DEADLINE_S, so at the
+default deadline each gets its whole budget (tests/test_gpu_check.py checks the sum). A budget is a
+step's whole wall time: past budget - GRACE_S, SIGTERM to its process group (the scripts stop at
+their next clean point), at the budget SIGKILL. Before each step the deadline is checked: it starts
+only if its need is left before the deadline (less the reserve), and its budget is cut to what is
+left; otherwise it is recorded as "no time" with the seconds it needed. A failed step is recorded
+and the next one runs.
 
   step          need  budget (s)
   preflight       15      25  versions, imports, a Procgen step, a CUDA op (gpu_preflight.py);
                               if it fails nothing else runs (the CPU dry run lets no CUDA through)
-  ppo-speed       40      55  bench.py: PPO at its defaults: SPS, ms per vector step (the
+  cuda-tests      65     110  pytest -m cuda on the files that hold CUDA tests (2 at a time where
+                              pytest-xdist is), the CUDA graph's and the host advantages' tests
+                              first (gpu_pytest_log.py moves them to the front and writes each
+                              outcome as the test ends, so a cut step still reports the tests
+                              that ran); need and budget from their count (cuda_tests_budget)
+  ppo-flags      160     330  bench.py, 2 warm-up and 3 measured iterations, 2 rounds alternated:
+                              PPO at its defaults (advantages on the host), with --cuda-graph,
+                              with every speed flag at once, with --cuda-graph --overlap-games,
+                              with --amp --no-amp-rollout, with --overlap-games -> ppo_flags.json
+  ppo-speed       40      55  asked: bench.py: PPO at its defaults: SPS, ms per vector step (the
                               rollout's and the games' share), the update's achieved TFLOPS
                               (gpu_flops.py), peak memory -> ppo.json
-  ppg-speed       50      70  bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold 3
-                              auxiliary phases, the first (cold) in the warm-up; the policy and
+  ppg-speed       50      70  asked: bench.py: PPG at its defaults but --n-pi 2: 7 iterations hold
+                              3 auxiliary phases, the first (cold) in the warm-up; the policy and
                               the auxiliary phase apart, as ppo-speed's figures -> ppg.json
-  learning        90     100  PPO and PPG at their defaults on StarPilot (easy) and on BigFish
-                              (hard, where the official runs show PPG's lead earliest), four
-                              runs side by side sized to the budget; packed into
+  learning        90     100  asked: PPO and PPG at their defaults on StarPilot (easy) and on
+                              BigFish (hard, where the official runs show PPG's lead earliest),
+                              four runs side by side sized to the budget; packed into
                               learning.tar.gz as each run ends
-  results         15      25  results.py on the learning runs: figures, aggregate.md, on-track lines
-  ppo-fast        85     100  bench.py, 2 warm-up and 3 measured iterations: PPO with --cuda-graph;
-                              with every speed flag (the graph, --overlap-games, a bf16 and
-                              compiled update); with the graph and --overlap-games; with --amp
-                              --no-amp-rollout: in that order -> added to ppo.json
-  impala-speed    45      55  bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1 (its
-                              default: acting and learning overlap) -> impala.json
-  nccl            25      35  torchrun, one rank: PPO's data-parallel path over NCCL, 2 iterations
-                              and a checkpoint
-  cuda-tests      50      60  pytest -m cuda on the files that hold CUDA tests (2 at a time where
-                              pytest-xdist is); last, since a cut pytest still reports the tests
-                              that ran (gpu_pytest_log.py writes each outcome as the test ends)
-  sum                    525  = DEADLINE_S 540 - RESERVE_S 15
+  results         15      25  asked: results.py on the learning runs: figures, aggregate.md,
+                              on-track lines (all into learning.tar.gz)
+  impala-speed    45      55  asked: bench.py: IMPALA with --max-policy-lag 0 (synchronous) and 1
+                              (its default: acting and learning overlap) -> impala.json
+  nccl            25      35  asked: torchrun, one rank: PPO's data-parallel path over NCCL, 2
+                              iterations and a checkpoint
+  default                465  <= DEADLINE_S 540 - RESERVE_S 15; all steps: 805 (DEADLINE=840)
 
-Files in OUT, each written whole (a temporary file in OUT, then os.replace) as soon as its step
-ends: gpu_bench.log (gpu_bench.sh writes it), summary.json (after every step), ppo.json, ppg.json,
-impala.json (bench.py writes into the work folder, the step's end copies), learning.tar.gz (the
-learning runs' metrics.jsonl, args.json and console logs, packed as each run ends, then with
-results.py's outputs), one figure per game (<game>_<mode>.png) and aggregate.md.
+Files in OUT, at most 8 (a copy back from a GPU machine may take no more), each written whole (a
+temporary file in OUT, then os.replace) as soon as its step ends: gpu_bench.log (gpu_bench.sh writes
+it), summary.json (after every step), ppo_flags.json, ppo.json, ppg.json, impala.json (bench.py
+writes into the work folder, the step's end copies), learning.tar.gz (the learning runs'
+metrics.jsonl, args.json and console logs, packed as each run ends, then with results.py's figures
+and aggregate.md, which go nowhere else).
 
-  python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b]
+  python benchmarks/gpu_check.py --out DIR [--deadline 540] [--tiny] [--steps a,b|all]
       [--fail-step NAME] [--time-scale 1] [--dry-run]
 
 --deadline (or $DEADLINE, default 540) is for a job with a time limit: set it a minute below the
 limit, and the steps that no longer fit are skipped and recorded. --tiny is the CPU dry run of
-tests/test_gpu_check.py: every command at tiny flags. --time-scale multiplies every need, budget,
-the reserve and the grace (a scaled deadline: tests/test_gpu_check.py runs the whole table in
-seconds). --steps runs only the named steps (the others are recorded as not selected);
---fail-step replaces a step's command by one that fails, to check that the failure is reported
-and the next step still runs. Only the standard library is imported, so that this runs, and
-reports, whatever the machine lacks.
+tests/test_gpu_check.py: every command at tiny flags (without --compile, which compiles for minutes
+on a CPU). --time-scale multiplies every need, budget, the reserve and the grace (a scaled deadline:
+tests/test_gpu_check.py runs the whole table in seconds). --steps runs the named steps, in the
+table's order (the others are recorded as not selected); --fail-step replaces a step's command by
+one that fails, to check that the failure is reported and the next step still runs. Only the
+standard library is imported, so that this runs, and reports, whatever the machine lacks.
 """
 import argparse
 import collections
@@ -65,7 +72,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -75,19 +81,32 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEADLINE_S = 540  # the default: the whole check in 9 minutes
+DEADLINE_S = 540  # the default: the default steps in 9 minutes
 RESERVE_S = 15  # kept back at the end: the last summary and a kill's slack
 GRACE_S = 10  # from a step's SIGTERM to its SIGKILL, inside its budget
 PUBLISH_EVERY_S = 10  # while a step runs, its results so far go into OUT this often (and as a run ends)
 TAIL_LINES = 30  # of a step's output, kept in summary.json when it fails
 PPO_ITERATION = 64 * 256  # environment steps per iteration at the defaults (PPO and PPG)
-LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when ppo-speed measured nothing to size the runs by
+LEARN_STEPS_WITHOUT_SPEED = 30 * PPO_ITERATION  # when no step measured PPO's defaults to size the runs by
 LEARNING_STARTUP_S = 60  # of the learning step's budget: the runs' start-up and evaluations, not training
 # The files that hold the tests marked cuda (tests/conftest.py's NEEDS["cuda"], @pytest.mark.cuda):
 # collecting only these costs four imports, not the whole suite. tests/test_gpu_check.py keeps
-# the list complete.
+# the list complete, and CUDA_TESTS equal to the number of tests pytest -m cuda collects in them.
 CUDA_TEST_FILES = ("tests/test_ppg.py", "tests/test_speed.py", "tests/test_vtrace.py",
                    "tests/test_vtrace_learner.py")
+CUDA_TESTS = 25
+CUDA_TEST_S = 2.5  # per test, one at a time: 18 of them took 45 s on the H200 (gpu/cuda_tests.log)
+# Never run on a GPU yet: the cuda-tests step runs them first (gpu_pytest_log.py, by test name).
+CUDA_TESTS_FIRST = ("test_cuda_graph_rollouts_are_the_eager_ones_bit_for_bit",
+                    "test_cuda_advantages_on_the_host_are_the_devices_bit_for_bit")
+# PPO's speed flags against its defaults in one bench.py run, alternated over 2 rounds, so that each
+# ratio compares configurations measured side by side; the defaults first (bench.py's baseline),
+# then the order of value. The defaults take their advantages on the host (no flag turns that off):
+# their gain is the defaults' SPS against benchmarks/results/gpu/ppo.json's, another run.
+PPO_FLAGS = [("defaults", ""), ("graph", "--cuda-graph"),
+             ("fastest", "--cuda-graph --overlap-games --amp --no-amp-rollout --compile"),
+             ("graph_overlap", "--cuda-graph --overlap-games"), ("amp_update", "--amp --no-amp-rollout"),
+             ("overlap", "--overlap-games")]
 TINY_FLAGS = {  # the CPU dry run: games, networks, batches as small as the scripts allow, one thread
     "ppo_procgen.py": "--env-id bigfish --num-envs 2 --num-steps 8 --num-minibatches 1 --update-epochs 1 "
                       "--channels 4 --hidden-size 8 --torch-threads 1",
@@ -96,11 +115,25 @@ TINY_FLAGS = {  # the CPU dry run: games, networks, batches as small as the scri
     "vtrace.py": "--env-id bigfish --num-envs 4 --unroll-length 8 --updates-per-iteration 2 --channels 4 "
                  "--hidden-size 8",
 }
-# (name, need, budget) in seconds at the default deadline, in the order of their value (see above).
-# Each budget is a step's time on a cold H200 (docs/speed.md) plus GRACE_S and a margin; learning gets the rest.
-TABLE = [("preflight", 15, 25), ("ppo-speed", 40, 55), ("ppg-speed", 50, 70), ("learning", 90, 100),
-         ("results", 15, 25), ("ppo-fast", 85, 100), ("impala-speed", 45, 55), ("nccl", 25, 35),
-         ("cuda-tests", 50, 60)]
+
+
+def cuda_tests_budget(count):
+    """(need, budget) of the cuda-tests step for `count` tests: the need is their estimate at
+    CUDA_TEST_S each, the budget 1.6 times that (a cold GPU, the first compile) and the grace,
+    both rounded up to 5 s."""
+    def up_to_5(seconds):
+        return -(-seconds // 5) * 5
+
+    return int(up_to_5(count * CUDA_TEST_S)), int(up_to_5(1.6 * count * CUDA_TEST_S + GRACE_S))
+
+
+# (name, need, budget) in seconds at the default deadline, in the order they run (see above): what no
+# GPU has measured first (DEFAULT_STEPS), then the steps measured before, which run when asked. Each
+# measured budget is a step's time on a cold H200 (docs/speed.md) plus GRACE_S and a margin.
+TABLE = [("preflight", 15, 25), ("cuda-tests", *cuda_tests_budget(CUDA_TESTS)), ("ppo-flags", 160, 330),
+         ("ppo-speed", 40, 55), ("ppg-speed", 50, 70), ("learning", 90, 100), ("results", 15, 25),
+         ("impala-speed", 45, 55), ("nccl", 25, 35)]
+DEFAULT_STEPS = ("preflight", "cuda-tests", "ppo-flags")
 
 
 @dataclasses.dataclass
@@ -115,8 +148,10 @@ class Settings:
     reserve_s: float = RESERVE_S  # kept back from every step, scaled
     grace_s: float = GRACE_S  # from a step's SIGTERM to its SIGKILL, scaled
 
-    def left(self):
-        return self.started + self.deadline_s - self.reserve_s - time.time()
+    def left(self, now=None):
+        """Seconds left before the deadline, less the reserve, at `now` (default: the clock's)."""
+        now = time.time() if now is None else now
+        return self.started + self.deadline_s - self.reserve_s - now
 
 
 @dataclasses.dataclass
@@ -130,15 +165,16 @@ class Step:
 
 
 # ---- the steps ----
-def bench_command(settings, script, configs, iterations, warmup, name):
+def bench_command(settings, script, configs, iterations, warmup, name, repeats=1):
     """bench.py over named configurations of one script, its JSON into the work folder (the step's
     end, and every PUBLISH_EVERY_S, copies it into OUT)."""
     command = [settings.python, os.path.join(ROOT, "benchmarks", "bench.py"), "--script", script]
     if settings.tiny:
         command += ["--common", TINY_FLAGS[script]]
-        iterations = 2
-        warmup = 1
-    command += ["--iterations", str(iterations), "--warmup", str(warmup)]
+        iterations, warmup, repeats = 2, 1, 1
+        configs = [(config, shlex.join(word for word in shlex.split(flags) if word != "--compile"))
+                   for config, flags in configs]
+    command += ["--iterations", str(iterations), "--warmup", str(warmup), "--repeats", str(repeats)]
     for config, flags in configs:
         command += ["--config", f"{config}={flags}"]
     return command + ["--out", bench_json(settings, name)]
@@ -159,20 +195,25 @@ def nccl_command(settings):
 
 def cuda_tests_command(settings, files=CUDA_TEST_FILES):
     """pytest -m cuda on the files that hold CUDA tests, each outcome logged as it ends
-    (gpu_pytest_log.py); two workers where pytest-xdist is: the three compile tests overlap."""
+    (gpu_pytest_log.py); two workers where pytest-xdist is: the three compile tests overlap.
+    Without it, pytest.ini's addopts are dropped: one of them is pytest-xdist's."""
     command = [settings.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_pytest_log", "-m", "cuda",
                *(os.path.join(ROOT, path) for path in files)]
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", "2"]
+    else:
+        command += ["-o", "addopts="]
     return command
 
 
-def cuda_tests_environment(settings):
-    """The plugin found on PYTHONPATH (after what gpu_bench.sh put first), its log in the work folder."""
+def cuda_tests_environment(settings, first=CUDA_TESTS_FIRST):
+    """The plugin found on PYTHONPATH (after what gpu_bench.sh put first), its log in the work folder,
+    the tests it runs first."""
     path = os.path.join(ROOT, "benchmarks")
     if os.environ.get("PYTHONPATH"):
         path += os.pathsep + os.environ["PYTHONPATH"]
-    return {"PYTHONPATH": path, "GPU_CHECK_TEST_LOG": os.path.join(settings.work, "cuda_tests.jsonl")}
+    return {"PYTHONPATH": path, "GPU_CHECK_TEST_LOG": os.path.join(settings.work, "cuda_tests.jsonl"),
+            "GPU_CHECK_TESTS_FIRST": ",".join(first)}
 
 
 # The learning check's games: StarPilot, the project's usual test game, and BigFish in hard mode, where
@@ -190,24 +231,19 @@ def learning_command(settings, script, total_timesteps, game="starpilot", mode="
 
 
 def plan(settings):
-    """The steps in the order of their value, needs and budgets scaled by --time-scale."""
+    """Every step of TABLE in its order, needs and budgets scaled by --time-scale."""
     preflight = [settings.python, os.path.join(ROOT, "benchmarks", "gpu_preflight.py"), "--json",
                  os.path.join(settings.work, "preflight.json")]
-    # What no GPU has measured yet, the graph first and every speed flag at once second (--amp and
-    # --compile alone ran before: gpu/ppo.json, gpu/ppo_fast.json).
-    ppo_fast = [("graph", "--cuda-graph"),
-                ("fastest", "--cuda-graph --overlap-games --amp --no-amp-rollout --compile"),
-                ("graph_overlap", "--cuda-graph --overlap-games"), ("amp_update", "--amp --no-amp-rollout")]
     impala = [("sync", "--max-policy-lag 0"), ("overlap", "--max-policy-lag 1")]
     commands = {
         "preflight": {"command": preflight},
+        # 2 warm-up and 3 measured iterations: a run ~20 s, ~45 s with the cold compile, 2 rounds in the budget
+        "ppo-flags": {"command": bench_command(settings, "ppo_procgen.py", PPO_FLAGS, 3, 2, "ppo-flags", repeats=2),
+                      "output": "ppo_flags.json"},
         "ppo-speed": {"command": bench_command(settings, "ppo_procgen.py", [("defaults", "")], 5, 3, "ppo-speed"),
                       "output": "ppo.json"},
         "ppg-speed": {"command": bench_command(settings, "ppg_procgen.py", [("n_pi_2", "--n-pi 2")], 4, 3,
                                                "ppg-speed"), "output": "ppg.json"},
-        # 3 measured iterations after 2: each run ~17 s, ~40 s with the cold compile, the four in the budget
-        "ppo-fast": {"command": bench_command(settings, "ppo_procgen.py", ppo_fast, 3, 2, "ppo-fast"),
-                     "output": "ppo.json"},
         "impala-speed": {"command": bench_command(settings, "vtrace.py", impala, 4, 2, "impala-speed"),
                          "output": "impala.json"},
         "nccl": {"command": nccl_command(settings)},
@@ -217,9 +253,10 @@ def plan(settings):
             for name, need, budget in TABLE]
 
 
-def skip_reason(step, settings, done, selected):
-    """Why the step does not run (None: it runs). `done`: the steps so far, by name."""
-    if selected and step.name not in selected:
+def skip_reason(step, settings, done, selected, now=None):
+    """Why the step does not run (None: it runs), at `now` (default: the clock's). `done`: the steps
+    so far, by name; `selected`: the names of the steps to run."""
+    if step.name not in selected:
         return "not selected (--steps)"
     preflight = done.get("preflight")
     cuda_only = settings.tiny and preflight is not None and preflight.get("exit_code") == 2
@@ -227,7 +264,7 @@ def skip_reason(step, settings, done, selected):
         return f"the preflight failed: {preflight.get('missing')}"
     if step.name == "results" and done.get("learning", {}).get("status", "skipped") == "skipped":
         return "no learning runs"
-    left = settings.left()
+    left = settings.left(now)
     if left < step.need_s:
         return f"no time: {max(left, 0):.1f} s left, needs {step.need_s:.1f} s"
     return None
@@ -258,16 +295,8 @@ def write_json(path, value):
     write_atomically(path, dump)
 
 
-def copy_into(path, folder):
-    def copy(f):
-        with open(path, "rb") as source:
-            shutil.copyfileobj(source, f)
-
-    write_atomically(os.path.join(folder, os.path.basename(path)), copy)
-
-
 def remove_leftovers(settings):
-    """A temporary file a killed writer left in OUT would come back as a ninth file."""
+    """A temporary file a killed writer left in OUT would come back as one file too many."""
     for path in glob.glob(os.path.join(settings.out, "*.tmp")):
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -439,25 +468,14 @@ def bench_numbers(step, settings, entry):
 
 
 def publish_bench(step, settings):
-    """bench.py's JSON so far into OUT; ppo-fast's configurations are added to ppo-speed's, each
-    with its SPS over the defaults' (bench.py's own ratios are to the first of its run)."""
+    """bench.py's JSON so far into OUT."""
     saved = read_json(bench_json(settings, step.name), settings)
-    if saved is None:
-        return
-    if step.name == "ppo-fast":
-        earlier = read_json(bench_json(settings, "ppo-speed"), settings)
-        if earlier is not None:
-            defaults = [r for r in earlier["results"] if r["config"] == "defaults" and "error" not in r]
-            for result in saved["results"]:
-                if defaults and "error" not in result:
-                    result["sps_median_over_defaults"] = result["sps_median"] / defaults[0]["sps_median"]
-            saved = dict(earlier, configs={**earlier["configs"], **saved["configs"]},
-                         results=earlier["results"] + saved["results"])
-    write_json(os.path.join(settings.out, step.output), saved)
+    if saved is not None:
+        write_json(os.path.join(settings.out, step.output), saved)
 
 
 NUMBERS = {"preflight": preflight_numbers, "cuda-tests": pytest_numbers, "ppo-speed": bench_numbers,
-           "ppg-speed": bench_numbers, "ppo-fast": bench_numbers, "impala-speed": bench_numbers}
+           "ppg-speed": bench_numbers, "ppo-flags": bench_numbers, "impala-speed": bench_numbers}
 
 
 def run_command_step(step, timeout_s, settings, inject):
@@ -476,12 +494,14 @@ def run_command_step(step, timeout_s, settings, inject):
 # ---- learning and results ----
 def learning_steps(settings, timeout_s, runs):
     """Steps per run: `runs` runs share the GPU and the cores, so each is given that share of the
-    speed PPO measured at the defaults, over the budget less start-up and evaluations, with a fifth
-    to spare."""
+    speed PPO measured at the defaults (ppo-speed's or ppo-flags'), over the budget less start-up
+    and evaluations, with a fifth to spare."""
     if settings.tiny:
         return 32
-    saved = read_json(bench_json(settings, "ppo-speed"), settings) or {"results": []}
-    speeds = [r["sps_overall"] for r in saved["results"] if r["config"] == "defaults" and "error" not in r]
+    speeds = []
+    for name in ("ppo-speed", "ppo-flags"):
+        saved = read_json(bench_json(settings, name), settings) or {"results": []}
+        speeds += [r["sps_overall"] for r in saved["results"] if r["config"] == "defaults" and "error" not in r]
     if not speeds:
         return LEARN_STEPS_WITHOUT_SPEED
     steps = int(speeds[0] / runs * max(timeout_s - LEARNING_STARTUP_S, 0) * 0.8) // PPO_ITERATION * PPO_ITERATION
@@ -534,15 +554,12 @@ def results_commands(settings):
 
 
 def run_results(step, timeout_s, settings, inject):
-    """results.py's figure and aggregate.md into OUT, its on-track lines into summary.json, all into
-    learning.tar.gz."""
+    """results.py's figures and aggregate.md into learning.tar.gz (OUT holds few files), its on-track
+    lines into summary.json."""
     learn = os.path.join(settings.work, "learn")
     figures, on_track = results_commands(settings)
     end = time.time() + timeout_s
     entry = run_process(failing_command(settings) if inject else figures, timeout_s, settings)
-    for path in glob.glob(os.path.join(learn, "results", "*_*.png")) + \
-            glob.glob(os.path.join(learn, "results", "aggregate.md")):
-        copy_into(path, settings.out)
     if entry["status"] == "ok":
         tracked = run_process(on_track, max(end - time.time(), 1), settings)
         entry["on_track"] = tracked["output_tail"].splitlines()
@@ -579,30 +596,32 @@ def write_summary(settings, summary):
     write_json(os.path.join(settings.out, "summary.json"), summary)
 
 
-def timeout_for(step, settings):
-    return min(step.budget_s, settings.left())
+def timeout_for(step, settings, now=None):
+    """The step's budget, cut to what is left before the deadline at `now` (default: the clock's)."""
+    return min(step.budget_s, settings.left(now))
 
 
 def run_check(settings, steps, selected, fail_step):
-    budgets = sum(step.budget_s for step in steps)
+    budgets = sum(step.budget_s for step in steps if step.name in selected)
     summary = {"started": datetime.datetime.fromtimestamp(settings.started, datetime.timezone.utc).isoformat(),
                "deadline_s": settings.deadline_s, "time_scale": settings.scale, "tiny": settings.tiny,
                "python": settings.python, "budgets_s": round(budgets, 1),
-               "usable_s": round(settings.deadline_s - settings.reserve_s, 1),
+               "usable_s": round(settings.deadline_s - settings.reserve_s, 1), "selected": list(selected),
                "steps": [], "plan": [{"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s}
                                      for step in steps]}
     write_summary(settings, summary)  # from the start: a kill during the first step still leaves the plan
     done = {}
     for step in steps:
         entry = {"name": step.name, "need_s": step.need_s, "budget_s": step.budget_s}
-        reason = skip_reason(step, settings, done, selected)
+        now = time.time()  # one reading for the decision and the budget
+        reason = skip_reason(step, settings, done, selected, now)
         if reason is not None:
             entry.update(status="skipped", reason=reason)
             print(f"== {step.name}: skipped: {reason}", flush=True)
         else:
-            timeout_s = timeout_for(step, settings)
+            timeout_s = timeout_for(step, settings, now)
             entry["timeout_s"] = round(timeout_s, 1)
-            print(f"== {step.name}: up to {timeout_s:.0f} s ({settings.left():.0f} s left before the deadline)",
+            print(f"== {step.name}: up to {timeout_s:.0f} s ({settings.left(now):.0f} s left before the deadline)",
                   flush=True)
             begin = time.time()
             runner = RUNNERS.get(step.name, run_command_step)
@@ -650,8 +669,9 @@ def main(argv=None):
     parser.add_argument("--time-scale", type=float, default=float(os.environ.get("GPU_CHECK_TIME_SCALE", 1)),
                         help="multiplies every need, budget, the reserve and the grace (default: "
                              "$GPU_CHECK_TIME_SCALE or 1)")
-    parser.add_argument("--steps", default=os.environ.get("GPU_CHECK_STEPS", ""),
-                        help="comma-separated steps to run; default ($GPU_CHECK_STEPS or empty): all")
+    parser.add_argument("--steps", default=os.environ.get("GPU_CHECK_STEPS") or ",".join(DEFAULT_STEPS),
+                        help="comma-separated steps to run, in the table's order, or 'all' (default: "
+                             f"$GPU_CHECK_STEPS or {','.join(DEFAULT_STEPS)}: what no GPU has measured yet)")
     parser.add_argument("--fail-step", default=os.environ.get("GPU_CHECK_FAIL_STEP"),
                         help="replace this step's command by one that fails (default: $GPU_CHECK_FAIL_STEP)")
     parser.add_argument("--dry-run", action="store_true", help="only print the steps' commands")
@@ -667,7 +687,7 @@ def main(argv=None):
                         reserve_s=RESERVE_S * args.time_scale, grace_s=GRACE_S * args.time_scale)
     steps = plan(settings)
     names = [step.name for step in steps]
-    selected = [name for name in args.steps.split(",") if name]
+    selected = names if args.steps == "all" else [name for name in args.steps.split(",") if name]
     unknown = [name for name in selected + [args.fail_step or names[0]] if name not in names]
     if unknown:
         parser.error(f"--steps/--fail-step: unknown step {unknown[0]!r}; the steps are {', '.join(names)}")

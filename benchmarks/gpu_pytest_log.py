@@ -7,7 +7,9 @@ report are written only when the whole run ends).
 
 Lines: {"collected": N} once the tests are collected; {"test": NODE_ID, "outcome": passed |
 failed | skipped | error} per test; {"exit_status": N} when pytest finishes. Under pytest-xdist
-only the controller writes.
+only the controller writes. $GPU_CHECK_TESTS_FIRST (comma-separated test names) moves those tests
+to the front of the run, after tests/conftest.py's order, in every process (xdist's workers send
+their tests in the order they collected them).
 """
 import json
 import os
@@ -58,6 +60,14 @@ class OutcomeLog:
 
     def pytest_sessionfinish(self, exitstatus):
         self.write({"exit_status": int(exitstatus)})
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests named in $GPU_CHECK_TESTS_FIRST first, each group in its order: a cut step has
+    run them."""
+    first = [name for name in os.environ.get("GPU_CHECK_TESTS_FIRST", "").split(",") if name]
+    items.sort(key=lambda item: item.originalname not in first)  # stable
 
 
 def pytest_configure(config):
