@@ -1,14 +1,15 @@
-"""Exact tests that pin each piece of the algorithms to its paper's definition, written independently of the
-scripts: one SGD step of PPO (Schulman et al. 2017, Eq. 9) and of PPG's policy phase (Cobbe et al. 2021, Eq. 1-2)
-against the loss written out per sample; what enters PPG's buffer B (V_targ = A + V of the same rollout, by a naive
-GAE sum); the IMPALA learner's step against V-trace's double sum (Espeholt et al. 2018, Eq. 1) on a policy that tells
-every frame apart; evaluation on levels that training never plays, in all three Procgen scripts; and the schedules
-that only a learning curve would otherwise see. A one-line slip in any of them changes a number here far beyond the
-tolerance, instead of lowering a learning curve by luck."""
+"""Exact tests that pin each piece of the algorithms to its paper's definition, written
+independently of the scripts: one SGD step of PPO (Schulman et al. 2017, Eq. 9) and of PPG's policy
+phase (Cobbe et al. 2021, Eq. 1-2) against the loss written out per sample; what enters PPG's buffer
+B (V_targ = A + V of the same rollout, by a naive GAE sum); the IMPALA learner's step against
+V-trace's double sum (Espeholt et al. 2018, Eq. 1) on a policy that tells every frame apart;
+evaluation on levels that training never plays, in all three Procgen scripts; and the schedules that
+only a learning curve would otherwise see. A one-line slip in any of them changes a number here far
+beyond the tolerance, instead of lowering a learning curve by luck."""
 import contextlib
 import copy
 import functools
-import dataclasses
+import json
 import math
 
 import gymnasium as gym
@@ -26,7 +27,8 @@ import vtrace
 
 # ---------------------------------------------------------------- PPO's step and PPG's policy phase
 def naive_mean_std(values):
-    """Mean and sample standard deviation (ddof 1, torch's and CleanRL's) by plain sums, in float64."""
+    """Mean and sample standard deviation (ddof 1, torch's and CleanRL's) by plain sums, in
+    float64."""
     values = [float(value) for value in values]
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
@@ -39,9 +41,10 @@ def normalized(advantages, index):
 
 
 def paper_ppo_loss(agent, batch, index, advantages, args, kl_beta, policy_term=True, value_term=True):
-    """PPO Eq. 9 on the samples `index`, negated for descent, each sample's terms written out in float64:
-    -L^CLIP (Eq. 7; or Eq. 8's r A - beta KL(pi_old || pi)) + c1 L^VF - c2 S[pi], with L^VF the squared error
-    halved, clipped around the rollout's value as in baselines when asked. `advantages` are already normalized."""
+    """PPO Eq. 9 on the samples `index`, negated for descent, each sample's terms written out in
+    float64: -L^CLIP (Eq. 7; or Eq. 8's r A - beta KL(pi_old || pi)) + c1 L^VF - c2 S[pi], with L^VF
+    the squared error halved, clipped around the rollout's value as in baselines when asked.
+    `advantages` are already normalized."""
     logits, values = agent(batch["obs"][index])
     terms = []
     for row, i in enumerate(index.tolist()):
@@ -71,9 +74,9 @@ def paper_ppo_loss(agent, batch, index, advantages, args, kl_beta, policy_term=T
 
 
 def sgd_step(parameter_groups, loss, lr, max_grad_norm):
-    """One plain SGD step on `loss`, each group's gradient norm clipped to max_grad_norm on its own (as
-    torch.nn.utils.clip_grad_norm_: a factor max_norm / (norm + 1e-6), at most 1); parameters outside the loss
-    stay in place. Returns each group's clip factor."""
+    """One plain SGD step on `loss`, each group's gradient norm clipped to max_grad_norm on its own
+    (as torch.nn.utils.clip_grad_norm_: a factor max_norm / (norm + 1e-6), at most 1); parameters
+    outside the loss stay in place. Returns each group's clip factor."""
     params = [param for group in parameter_groups for param in group]
     factors = []
     grads = dict(zip(params, torch.autograd.grad(loss, params, allow_unused=True)))
@@ -89,8 +92,9 @@ def sgd_step(parameter_groups, loss, lr, max_grad_norm):
 
 
 def non_uniform_agent(module, args, seed):
-    """A tiny agent whose policy is far from uniform (the entropy's gradient vanishes at a uniform policy) but far
-    from deterministic too (logits of std 1 over random frames), and whose values are not small."""
+    """A tiny agent whose policy is far from uniform (the entropy's gradient vanishes at a uniform
+    policy) but far from deterministic too (logits of std 1 over random frames), and whose values
+    are not small."""
     torch.manual_seed(seed)
     agent = module.Agent(args, num_actions=15)
     frames = torch.randint(0, 256, (32, 64, 64, 3), dtype=torch.uint8)
@@ -104,9 +108,9 @@ def non_uniform_agent(module, args, seed):
 
 
 def rollout_batch(agent, size=16, seed=0):
-    """A hand-made rollout: pi_old is the agent's policy moved by noise (so that ratios are far from 1 and some are
-    clipped), rollout values away from the current ones (some value clips bite), and advantages with a mean far
-    from 0 and a std far from 1 (so centring and scaling both matter)."""
+    """A hand-made rollout: pi_old is the agent's policy moved by noise (so that ratios are far from
+    1 and some are clipped), rollout values away from the current ones (some value clips bite), and
+    advantages with a mean far from 0 and a std far from 1 (so centring and scaling both matter)."""
     generator = torch.Generator().manual_seed(seed)
     obs = torch.randint(0, 256, (size, 64, 64, 3), dtype=torch.uint8, generator=generator)
     with torch.no_grad():
@@ -125,7 +129,8 @@ def weights(agent):
 
 
 def assert_same_step(agent, reference, start):
-    """The script's step and the reference's, parameter by parameter, against the size of the step."""
+    """The script's step and the reference's, parameter by parameter, against the size of the
+    step."""
     moved = weights(agent)
     expected = weights(reference)
     largest = max((expected[name] - start[name]).abs().max().item() for name in start)
@@ -146,9 +151,9 @@ FIXED_SPLIT = [torch.tensor([3, 12, 7, 0, 9, 14, 5, 10]), torch.tensor([1, 8, 15
     dict(policy_loss="kl-penalty", kl_beta=0.7),  # PPO Eq. 8 with the exact KL(pi_old || pi)
 ], ids=["clip", "grad-clip", "batch-norm", "no-norm", "kl-penalty"])
 def test_ppo_update_takes_the_sgd_steps_of_the_papers_loss(flags, monkeypatch):
-    """Two minibatches (so that per-minibatch and whole-batch normalization differ), one epoch, plain SGD, and
-    coefficients far from the defaults: every term of Eq. 9 moves the weights, and the script's update must move
-    them exactly as the loss written out per sample does."""
+    """Two minibatches (so that per-minibatch and whole-batch normalization differ), one epoch,
+    plain SGD, and coefficients far from the defaults: every term of Eq. 9 moves the weights, and
+    the script's update must move them exactly as the loss written out per sample does."""
     args = ppo.Args(**{**dict(channels=(4,), hidden_size=16, num_minibatches=2, update_epochs=1, ent_coef=0.37,
                               vf_coef=0.83, clip_coef=0.15, max_grad_norm=math.inf), **flags})
     monkeypatch.setattr(ppo, "minibatches", lambda batch_size, args, device: FIXED_SPLIT)
@@ -174,10 +179,11 @@ def test_ppo_update_takes_the_sgd_steps_of_the_papers_loss(flags, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])
 def test_ppg_policy_phase_takes_the_sgd_steps_of_its_loss(arch, monkeypatch):
-    """PPG's policy phase at its own defaults (advantages normalized over the batch, no value clip, no gradient
-    clip) with E_pi = 1 and E_V = 2: in the first epoch L^clip + beta_S S[pi] on theta_pi and L^value on theta_V
-    (PPG Eq. 1-2), in the second L^value alone, so that the policy network's weights stay where the first epoch
-    left them; the auxiliary value head is no part of the policy phase. Coefficients away from the defaults."""
+    """PPG's policy phase at its own defaults (advantages normalized over the batch, no value clip,
+    no gradient clip) with E_pi = 1 and E_V = 2: in the first epoch L^clip + beta_S S[pi] on
+    theta_pi and L^value on theta_V (PPG Eq. 1-2), in the second L^value alone, so that the policy
+    network's weights stay where the first epoch left them; the auxiliary value head is no part of
+    the policy phase. Coefficients away from the defaults."""
     args = ppg.Args(channels=(4,), hidden_size=16, num_minibatches=2, e_pi=1, e_v=2, ent_coef=0.29, vf_coef=0.61,
                     clip_coef=0.15, arch=arch)
     monkeypatch.setattr(ppg, "minibatches", lambda batch_size, args, device: FIXED_SPLIT)
@@ -198,9 +204,10 @@ def test_ppg_policy_phase_takes_the_sgd_steps_of_its_loss(arch, monkeypatch):
 
 # ---------------------------------------------------------------- the IMPALA learner: V-trace on aligned frames
 class LabelledFrames(gym.vector.VectorEnv):
-    """Deterministic games whose frame says where it is: pixel (0, 0) holds (step in the episode t, game b); game
-    b's episodes last lengths[b] steps; action a at step t earns 0.1 (t + 1) + 0.01 a. SAME_STEP autoreset, as
-    the scripts' ProcgenVecEnv: the last step returns done and the next episode's first frame."""
+    """Deterministic games whose frame says where it is: pixel (0, 0) holds (step in the episode t,
+    game b); game b's episodes last lengths[b] steps; action a at step t earns 0.1 (t + 1) + 0.01 a.
+    SAME_STEP autoreset, as the scripts' ProcgenVecEnv: the last step returns done and the next
+    episode's first frame."""
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
@@ -230,8 +237,9 @@ class LabelledFrames(gym.vector.VectorEnv):
 
 
 class FrameTable(nn.Module):
-    """A network that tells every frame apart: logits and a value looked up by the frame's (t, game), each entry
-    drawn at random, so that pairing a frame with its neighbour's action changes log rho by about 1."""
+    """A network that tells every frame apart: logits and a value looked up by the frame's (t,
+    game), each entry drawn at random, so that pairing a frame with its neighbour's action changes
+    log rho by about 1."""
 
     def __init__(self, seed):
         super().__init__()
@@ -245,7 +253,8 @@ class FrameTable(nn.Module):
 
 
 def impala_unroll(T=6):
-    """An unroll as the actor hands it to the learner, played by a behaviour policy mu that is not pi."""
+    """An unroll as the actor hands it to the learner, played by a behaviour policy mu that is not
+    pi."""
     envs = LabelledFrames([2, 3, 4, 5])
     mu = FrameTable(seed=1)
     return vtrace.collect_unroll(mu, envs, torch.as_tensor(envs.reset()[0]), T,
@@ -253,9 +262,10 @@ def impala_unroll(T=6):
 
 
 def naive_vtrace(log_rhos, discounts, rewards, values, bootstrap, rho_bar, c_bar, pg_rho_bar, lam):
-    """IMPALA Eq. 1 as its double sum, per game, in float64: v_s = V(x_s) + sum_{t>=s} (prod_{s<=i<t} gamma_i
-    c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t)), rho_t = min(rho_bar, pi/mu), c_i = lambda min(c_bar, pi/mu);
-    the policy gradient's advantage min(pg_rho_bar, pi/mu) (r_s + gamma_s v_{s+1} - V(x_s)), v_T = V(x_T)."""
+    """IMPALA Eq. 1 as its double sum, per game, in float64: v_s = V(x_s) + sum_{t>=s}
+    (prod_{s<=i<t} gamma_i c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t)), rho_t = min(rho_bar,
+    pi/mu), c_i = lambda min(c_bar, pi/mu); the policy gradient's advantage min(pg_rho_bar, pi/mu)
+    (r_s + gamma_s v_{s+1} - V(x_s)), v_T = V(x_T)."""
     T, B = len(rewards), len(rewards[0])
     ratios = [[math.exp(log_rhos[t][b]) for b in range(B)] for t in range(T)]
     vs = [[0.0] * B for _ in range(T + 1)]
@@ -281,8 +291,9 @@ VTRACE_FLAGS = dict(gamma=0.9, rho_bar=1.3, c_bar=0.8, pg_rho_bar=1.1, vtrace_la
 
 
 def test_learner_pairs_each_frame_with_its_own_action_and_behaviour_policy(monkeypatch):
-    """log rho_s = log pi(a_s|x_s) - log mu(a_s|x_s), each term of step s, on a policy that tells the frames apart:
-    a frame paired with its neighbour's logits changes log rho by far more than the tolerance."""
+    """log rho_s = log pi(a_s|x_s) - log mu(a_s|x_s), each term of step s, on a policy that tells
+    the frames apart: a frame paired with its neighbour's logits changes log rho by far more than
+    the tolerance."""
     args = vtrace.Args(**VTRACE_FLAGS)
     unroll = impala_unroll()
     pi = FrameTable(seed=2)
@@ -309,10 +320,11 @@ def test_learner_pairs_each_frame_with_its_own_action_and_behaviour_policy(monke
 
 
 def test_learner_gradient_is_the_vtrace_loss_of_the_double_sum():
-    """The learner's gradient on one unroll equals that of IMPALA's loss written out from V-trace's definition
-    (means over T x B, as the script documents): -log pi(a_s|x_s) A_s + b 1/2 (v_s - V(x_s))^2 - e H(pi(.|x_s)),
-    v_s and A_s held constant, bootstrapped from the learner's V(x_T), gamma_s = gamma (1 - done_s); every clip and
-    lambda away from 1 and every coefficient away from its default."""
+    """The learner's gradient on one unroll equals that of IMPALA's loss written out from V-trace's
+    definition (means over T x B, as the script documents): -log pi(a_s|x_s) A_s + b 1/2 (v_s -
+    V(x_s))^2 - e H(pi(.|x_s)), v_s and A_s held constant, bootstrapped from the learner's V(x_T),
+    gamma_s = gamma (1 - done_s); every clip and lambda away from 1 and every coefficient away from
+    its default."""
     args = vtrace.Args(**VTRACE_FLAGS)
     unroll = impala_unroll()
     pi = FrameTable(seed=2)
@@ -348,8 +360,8 @@ def test_learner_gradient_is_the_vtrace_loss_of_the_double_sum():
 
 # ---------------------------------------------------------------- PPG's buffer B
 class RecordedGames(gym.vector.VectorWrapper):
-    """The training games as the agent sees them: the first frames, then each step's frames, (normalized) rewards
-    and episode ends."""
+    """The training games as the agent sees them: the first frames, then each step's frames,
+    (normalized) rewards and episode ends."""
 
     def __init__(self, env):
         super().__init__(env)
@@ -372,8 +384,9 @@ class RecordedGames(gym.vector.VectorWrapper):
 
 
 def naive_gae(rewards, values, ends, bootstrap, gamma, lam):
-    """GAE's definition for one game, in float64: A_t = sum_{k>=t} (gamma lambda)^(k-t) delta_k, summed until the
-    episode ends, delta_k = r_k + gamma V(s_{k+1}) (1 - end_k) - V(s_k), V(s_T) the bootstrap."""
+    """GAE's definition for one game, in float64: A_t = sum_{k>=t} (gamma lambda)^(k-t) delta_k,
+    summed until the episode ends, delta_k = r_k + gamma V(s_{k+1}) (1 - end_k) - V(s_k), V(s_T) the
+    bootstrap."""
     T = len(rewards)
     next_values = list(values[1:]) + [bootstrap]
     advantages = []
@@ -389,9 +402,10 @@ def naive_gae(rewards, values, ends, bootstrap, gamma, lam):
 
 
 def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkeypatch):
-    """PPG Algorithm 1: "add all (s_t, V_targ(s_t)) to B", V_targ = A + V of the rollout that played s_t. Every game's
-    whole rollout of the phase's iterations enters B once, frames exactly, targets equal to a naive GAE sum over the
-    rewards the agent saw plus the values it computed while playing (gamma and lambda away from the defaults)."""
+    """PPG Algorithm 1: "add all (s_t, V_targ(s_t)) to B", V_targ = A + V of the rollout that played
+    s_t. Every game's whole rollout of the phase's iterations enters B once, frames exactly, targets
+    equal to a naive GAE sum over the rewards the agent saw plus the values it computed while
+    playing (gamma and lambda away from the defaults)."""
     monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
     games, forwards, phases = [], [], []
 
@@ -450,10 +464,11 @@ def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkey
 
 # ---------------------------------------------------------------- evaluation on levels that training never plays
 def procgen_level(rand_seed, num_levels, start_level, game, episode):
-    """Procgen's level draws in closed form: game `game` of a vector env made with `rand_seed` plays, in its
-    `episode`-th episode, a level drawn by a generator seeded from rand_seed: uniformly from
-    [start_level, start_level + num_levels), or from all 2^31 - 1 level seeds when num_levels is 0 (then
-    start_level is ignored). Two vector envs with the same rand_seed and level set play the same levels."""
+    """Procgen's level draws in closed form: game `game` of a vector env made with `rand_seed`
+    plays, in its `episode`-th episode, a level drawn by a generator seeded from rand_seed:
+    uniformly from [start_level, start_level + num_levels), or from all 2^31 - 1 level seeds when
+    num_levels is 0 (then start_level is ignored). Two vector envs with the same rand_seed and level
+    set play the same levels."""
     draw = int(np.random.SeedSequence([rand_seed, game, episode]).generate_state(1)[0])
     if num_levels == 0:
         return draw % (2**31 - 1)
@@ -461,8 +476,9 @@ def procgen_level(rand_seed, num_levels, start_level, game, episode):
 
 
 class LevelGames:
-    """procgen's gym3 env as the scripts' adapter drives it (observe, act, close), whose episodes last two steps and
-    which records the level of every episode it starts under `role` ("train" or "eval")."""
+    """procgen's gym3 env as the scripts' adapter drives it (observe, act, close), whose episodes
+    last two steps and which records the level of every episode it starts under `role` ("train" or
+    "eval")."""
 
     def __init__(self, num_envs, rand_seed, num_levels, start_level, role, played):
         self.level = functools.partial(procgen_level, rand_seed, num_levels, start_level)
@@ -498,9 +514,10 @@ LEVEL_RUNS = {  # two iterations, evaluated after each; an odd number of games: 
 @pytest.mark.parametrize("num_levels, start_level", [(0, 0), (2, 7)], ids=["all-levels", "two-levels"])
 @pytest.mark.parametrize("script", LEVEL_RUNS)
 def test_evaluation_plays_levels_that_training_never_plays(script, num_levels, start_level, in_tmp, monkeypatch):
-    """The Procgen protocol: train on a level set (all levels, or --num-levels N from --start-level), evaluate on
-    levels drawn from the full distribution. Whatever the training set, no level evaluated at any iteration is one
-    that training played: with all levels, evaluation's games must not be seeded like training's."""
+    """The Procgen protocol: train on a level set (all levels, or --num-levels N from
+    --start-level), evaluate on levels drawn from the full distribution. Whatever the training set,
+    no level evaluated at any iteration is one that training played: with all levels, evaluation's
+    games must not be seeded like training's."""
     module, flags = LEVEL_RUNS[script]
     played, role = [], ["train"]
 
@@ -527,3 +544,34 @@ def test_evaluation_plays_levels_that_training_never_plays(script, num_levels, s
         assert trained == set(range(start_level, start_level + num_levels))
     assert len(trained) >= 2 and len(evaluated) >= 4  # two evaluations of two games each
     assert not trained & evaluated
+
+
+# ---------------------------------------------------------------- schedules and diagnostics
+@pytest.mark.parametrize("script", ["ppo", "vtrace"])  # PPG's: test_ppg.py's budget-and-annealing test
+def test_annealed_learning_rate_falls_linearly_to_zero_over_the_run(script, in_tmp, monkeypatch):
+    """--anneal-lr: iteration i of N trains at lr (1 - (i - 1) / N), from the full rate down to lr /
+    N."""
+    module, flags = LEVEL_RUNS[script]
+    monkeypatch.setattr(module, "procgen_backend", lambda choice: "procgen")
+    monkeypatch.setattr(module, "make_games", lambda backend, num_envs, seed, *arguments, **options: LevelGames(
+        num_envs, seed, 0, 0, "train", []))
+    flags = {**flags, "total_timesteps": 3 * 3 * 4}
+    args = module.Args(env_id="coinrun", num_envs=3, channels=(4,), hidden_size=16, eval_every=0, eval_episodes=1,
+                       torch_threads=1, anneal_lr=True, learning_rate=3e-3, **flags)
+    run_dir = train_in(in_tmp, module, args)
+    with open(f"{run_dir}/metrics.jsonl") as rows:
+        rates = [row["charts/learning_rate"] for row in map(json.loads, rows) if "charts/learning_rate" in row]
+    assert rates == pytest.approx([3e-3, 2e-3, 1e-3], rel=1e-12)
+
+
+def test_explained_variance_is_one_minus_the_residual_variance_share():
+    """1 - Var[R - V] / Var[R]: 1 for perfect values, 0 for values that are the returns' mean, below
+    0 for worse."""
+    generator = torch.Generator().manual_seed(0)
+    returns = torch.randn(50, generator=generator) * 2 + 1
+    values = returns + 0.5 * torch.randn(50, generator=generator)
+    expected = 1 - np.var((returns - values).numpy(), ddof=1) / np.var(returns.numpy(), ddof=1)
+    assert ppo.explained_variance(returns, values) == pytest.approx(expected, rel=1e-5)
+    assert ppo.explained_variance(returns, returns) == pytest.approx(1.0)
+    assert ppo.explained_variance(returns, torch.full_like(returns, returns.mean())) == pytest.approx(0.0, abs=1e-6)
+    assert ppo.explained_variance(returns, -returns) < -1

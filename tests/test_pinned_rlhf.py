@@ -1,9 +1,11 @@
-"""Exact tests that pin ppo_rlhf_toy.py's pieces to their definitions, written independently of the script: the
-best-of-n baseline by brute force over every subset of its pool, the RL update's whole loss (InstructGPT Eq. 2 with
-PPO's clipped surrogate and value loss) by one plain SGD step, what the rollout hands to the update (per-token rewards,
-values aligned with the tokens they predict, GAE or the group baselines), the preference labels and the schedules.
-A one-line slip in any of them changes a number here far beyond the tolerance."""
+"""Exact tests that pin ppo_rlhf_toy.py's pieces to their definitions, written independently of the
+script: the best-of-n baseline by brute force over every subset of its pool, the RL update's whole
+loss (InstructGPT Eq. 2 with PPO's clipped surrogate and value loss) by one plain SGD step, what the
+rollout hands to the update (per-token rewards, values aligned with the tokens they predict, GAE)
+and the learning-rate schedule. A one-line slip in any of them changes a number here far beyond the
+tolerance."""
 import copy
+import dataclasses
 import itertools
 import math
 
@@ -23,10 +25,10 @@ def one_thread():
 
 
 # ---------------------------------------------------------------- best-of-n
-# Responses of the toy language and their gold scores under its rules (docs/rlhf.md; test_rlhf.py pins judge()).
-CATALOGUE = [("was great .", 1.0), ("was not great .", -1.0), ("was great and superb .", 2.0), ("was dull .", -1.0),
-             ("is very fun but awful .", 0.0), ("was great and great .", 1.5), ("felt lovely", -1.0),
-             ("was great superb .", -2.0)]
+# Responses of the toy language and their gold scores under its rules (test_rlhf.py pins judge()).
+CATALOGUE = [("was great .", 1.0), ("was not great .", -1.0), ("was great and superb .", 2.0),
+             ("was dull .", -1.0), ("is very fun but awful .", 0.0), ("was great and great .", 1.5),
+             ("felt lovely", -1.0), ("was great superb .", -2.0)]
 
 
 def response_row(text, width):
@@ -35,9 +37,10 @@ def response_row(text, width):
 
 
 def test_best_of_n_reports_the_expected_best_of_n_draws_by_brute_force(monkeypatch):
-    """best_of_n's rows against the definition: for each prompt's pool of P samples, the mean over every n-subset of
-    the pool of the proxy and gold scores of the subset's highest-proxy sample (the one best-of-n returns), averaged
-    over the 32 prompts; n = 1, 2, 4, ... up to P, each with the bound log n - (n - 1) / n."""
+    """best_of_n's rows against the definition: for each prompt's pool of P samples, the mean over
+    every n-subset of the pool of the proxy and gold scores of the subset's highest-proxy sample
+    (the one best-of-n returns), averaged over the 32 prompts; n = 1, 2, 4, ... up to P, each with
+    the bound log n - (n - 1) / n."""
     args = M.Args(bon_pool=8)
     pool_size, prompts = args.bon_pool, 32
     generator = torch.Generator().manual_seed(0)
@@ -65,7 +68,7 @@ def test_best_of_n_reports_the_expected_best_of_n_draws_by_brute_force(monkeypat
         assert row["proxy/score"] == pytest.approx(best_proxy, abs=1e-9)
         assert row["gold/score"] == pytest.approx(best_gold, abs=1e-9)
         assert row["kl_bound"] == pytest.approx(math.log(n) - (n - 1) / n, abs=1e-12)
-    assert rows[-1]["proxy/score"] > rows[0]["proxy/score"] + 1.0  # the best of 8 is far above one draw
+    assert rows[-1]["proxy/score"] > rows[0]["proxy/score"] + 1.0  # far above one draw
 
 
 # ---------------------------------------------------------------- the RL stage: rollout and update
@@ -74,7 +77,8 @@ def tiny_models(seed=0):
     args = M.Args(d_model=16, n_heads=2, n_layers=1, rollout_batch_size=16, num_minibatches=1, ppo_epochs=1,
                   beta=0.2, gamma=0.95, lam=0.9, vf_coef=0.37, clip_coef=0.1, clip_coef_value=0.15,
                   max_grad_norm=math.inf)
-    policy, ref = M.make_model(args, len(M.VOCAB)), M.make_model(args, len(M.VOCAB)).requires_grad_(False)
+    policy = M.make_model(args, len(M.VOCAB))
+    ref = M.make_model(args, len(M.VOCAB)).requires_grad_(False)
     critic = M.make_model(args, 1)
     generator = torch.Generator().manual_seed(seed)
     scores = torch.randn(args.rollout_batch_size, generator=generator)
@@ -89,10 +93,11 @@ def response_lengths(responses):
 
 
 def test_rollout_hands_the_update_instructgpts_rewards_and_gae_on_aligned_tokens():
-    """collect_rollout against the definitions, token by token in float64: log pi(y_t | x, y_<t) and V(x, y_<t)
-    each from a forward pass on the prefix alone; the reward -beta (log pi - log pi_ref) on every response token,
-    plus the score on the last (InstructGPT Eq. 2); GAE summed over the response (V = 0 after it); the advantages
-    whitened over the response tokens (population variance), the returns A + V."""
+    """collect_rollout against the definitions, token by token in float64: log pi(y_t | x, y_<t) and
+    V(x, y_<t) each from a forward pass on the prefix alone; the reward -beta (log pi - log pi_ref)
+    on every response token, plus the score on the last (InstructGPT Eq. 2); GAE summed over the
+    response (V = 0 after it); the advantages whitened over the response tokens (population
+    variance), the returns A + V."""
     args, rl, scores = tiny_models()
     queries = M.random_prompts(args.rollout_batch_size, "cpu")
     batch = M.collect_rollout(rl, queries, args.beta, args)
@@ -126,10 +131,11 @@ def test_rollout_hands_the_update_instructgpts_rewards_and_gae_on_aligned_tokens
 
 
 def test_update_takes_the_sgd_step_of_the_clipped_surrogate_plus_the_value_loss():
-    """One minibatch, one epoch, plain SGD on policy and critic together: the weights move exactly as on the loss
-    written per token in float64, -min(r A, clip(r, 1 - eps, 1 + eps) A) + c_V 1/2 max((V - R)^2, (V_clip - R)^2)
-    as masked means over the response tokens. pi_old and the rollout's values are moved away from the current ones,
-    so that both clips bite; c_V is away from its default."""
+    """One minibatch, one epoch, plain SGD on policy and critic together: the weights move exactly
+    as on the loss written per token in float64, -min(r A, clip(r, 1 - eps, 1 + eps) A) + c_V 1/2
+    max((V - R)^2, (V_clip - R)^2) as masked means over the response tokens. pi_old and the
+    rollout's values are moved away from the current ones, so that both clips bite; c_V is away from
+    its default."""
     args, rl, _ = tiny_models(seed=1)
     batch = M.collect_rollout(rl, M.random_prompts(args.rollout_batch_size, "cpu"), args.beta, args)
     generator = torch.Generator().manual_seed(2)
@@ -148,7 +154,7 @@ def test_update_takes_the_sgd_step_of_the_clipped_surrogate_plus_the_value_loss(
     policy_terms, value_terms = [], []
     for row, length in enumerate(response_lengths(responses)):
         for t in range(length):
-            position = queries.shape[1] - 1 + t  # the position whose output predicts response token t
+            position = queries.shape[1] - 1 + t  # its output predicts response token t
             log_pi = torch.log_softmax(logits[row, position].double() / args.temperature, -1)[responses[row, t]]
             ratio = torch.exp(log_pi - batch["logp"][row, t].double())
             advantage = batch["advantages"][row, t].double()
@@ -167,3 +173,22 @@ def test_update_takes_the_sgd_step_of_the_clipped_surrogate_plus_the_value_loss(
     for param, grad, after in zip(params, grads, moved):
         step = torch.zeros_like(param) if grad is None else -lr * grad
         torch.testing.assert_close(after.detach() - param.detach(), step, rtol=1e-3, atol=1e-3 * largest)
+
+
+def test_rl_learning_rate_falls_linearly_to_zero_over_the_iterations():
+    """As OAI: iteration i of N steps at ppo_lr (1 - (i - 1) / N), in the optimizer the update steps
+    with."""
+    args, rl, _ = tiny_models()
+    args = dataclasses.replace(args, ppo_iterations=4, ppo_lr=2e-3)
+    used = []
+    update = M.ppo_update
+
+    def recording(rl, optimizer, batch, args, beta):
+        used.append(optimizer.param_groups[0]["lr"])
+        return update(rl, optimizer, batch, args, beta)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(M, "ppo_update", recording)
+        history = M.run_ppo(args, rl, args.beta)
+    expected = [2e-3, 1.5e-3, 1e-3, 0.5e-3]
+    assert used == pytest.approx(expected, rel=1e-12) and [r["lr"] for r in history] == pytest.approx(expected)
