@@ -18,11 +18,15 @@ import os
 import pickle
 import random
 import secrets
+import shutil
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds on a busy machine): no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends, as on SIGTERM; nothing exists yet
 
 import gymnasium as gym
 import numpy as np
@@ -148,7 +152,8 @@ class Args:
     """procgen worker threads, split between the two pools of games where --num-envs is even (0: one
     on a CPU, the cores on a GPU: see `start_run`; each pool has at least one)"""
     torch_threads: int = 0
-    """torch CPU threads (0: the cores on a CPU, one on a GPU)"""
+    """torch CPU threads (0: one on a GPU; on a CPU half the cores, at least one, not torch's default of
+    all: a team of threads waits for its slowest member, and on a busy machine all-core teams collapse)"""
     overlap_games: bool = False
     """step half of the games in their threads while the network computes the other half's actions
     (needs an even number of games per rank; the same games and, for the same actions, the same
@@ -618,6 +623,7 @@ def evaluate_checkpoint(run, agent, envs):
     """--eval-only: the checkpoint's agent, one row and one line; then the run is closed."""
     evaluate_and_log(run, agent, run.checkpoint["iteration"], run.checkpoint["global_step"])
     close_run(run, (envs,))
+    restore_signal_handlers(run)
     return run.dir
 
 
@@ -849,6 +855,7 @@ class Run:
     recent_returns: collections.deque = field(default_factory=functools.partial(collections.deque, maxlen=100))
     last_whole: Optional[tuple] = None  # (iteration, checkpoint bytes): what a stop saves
     saved: Optional[tuple] = None  # (iteration, path) of the last checkpoint on disk
+    signal_handlers: dict = field(default_factory=dict)  # SIGINT's and SIGTERM's before the run, restored after it
 
 
 def start_run(args):
@@ -869,18 +876,37 @@ def start_run(args):
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
-    # The games step while the network waits and vice versa. On a CPU the network dominates and
-    # torch gets the cores (2 threads ran PPO 1.6-1.9x faster than 1 on 2 cores), the games one
-    # thread; on a GPU the games get the cores. One machine's ranks share its cores.
+    # The games step while the network waits and vice versa. On a CPU the network dominates: torch
+    # gets half the cores, the games one thread. Not all the cores: a team of torch threads waits for
+    # its slowest member, so when other programs keep the cores busy a team as large as the machine
+    # is preempted at every operation (on 2 cores, 2 threads ran PPO 1.6-1.9x faster than 1 when
+    # idle, several times slower under load: docs/speed.md). On a GPU the games get the cores. One
+    # machine's ranks share its cores.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     on_gpu = device.type == "cuda"
     args.env_threads = args.env_threads or (min(cores, args.num_envs) if on_gpu else 1)
-    torch.set_num_threads(args.torch_threads or (1 if on_gpu else cores))
-    name, directory = run_folder(args, checkpoint, rank)
-    logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    torch.set_num_threads(args.torch_threads or (1 if on_gpu else max(1, cores // 2)))
+    # From its folder to the training loop's StopOnSignal a signal ends the run at once: nothing is
+    # saved yet (`stop_in_startup`). One that comes while the folder and the log are made waits for them.
+    held = []
+    handlers = {signum: signal.signal(signum, functools.partial(hold_signal, held))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        name, directory = run_folder(args, checkpoint, rank)
+        logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    except BaseException:  # e.g. an unwritable runs/: the handlers of before, and the error
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        raise
     saved = (checkpoint["iteration"], args.resume) if args.resume else None
-    return Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved)
+    run = Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved,
+              signal_handlers=handlers)
+    for signum in handlers:
+        signal.signal(signum, functools.partial(stop_in_startup, run=run))
+    if held:
+        stop_in_startup(held[0], None, run)
+    return run
 
 
 def run_folder(args, checkpoint, rank):
@@ -992,7 +1018,8 @@ class StopOnSignal:
         self.run, self.closing, self.signum, self.first_time = run, closing, None, 0.0
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        for signum in self.run.signal_handlers:  # in place of start-up's `stop_in_startup`
+            signal.signal(signum, self.handler)
         return self
 
     def handler(self, signum, frame):
@@ -1020,13 +1047,36 @@ class StopOnSignal:
             save_checkpoint(self.run, final=last)
 
     def __exit__(self, kind, error, traceback):
-        for signum in self.previous:  # the run is ending: no further signal cuts its checkpoint's write
+        for signum in self.run.signal_handlers:  # the run is ending: no further signal cuts its checkpoint's write
             signal.signal(signum, signal.SIG_IGN)
         try:
             end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
         finally:
-            for signum, handler in self.previous.items():
-                signal.signal(signum, handler)
+            restore_signal_handlers(self.run)
+
+
+def stop_in_startup(signum, frame, run):
+    """A signal between the run's folder and its training loop (the games, the network, the buffers):
+    nothing is saved yet, so the run ends at once with one line and exit 128 + signal, and a new run
+    leaves no folder behind (`remove_if_empty`)."""
+    for handled in run.signal_handlers:  # no second signal cuts the clean-up short
+        signal.signal(handled, signal.SIG_IGN)
+    try:
+        close_run(run, closing=())  # the games made so far close as the process ends
+        remove_if_empty(run)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: nothing new to save; {last_saved(run)}", flush=True)
+    finally:
+        restore_signal_handlers(run)
+    raise SystemExit(128 + signum)
+
+
+def hold_signal(held, signum, frame):
+    held.append(signum)
+
+
+def restore_signal_handlers(run):
+    for signum, handler in run.signal_handlers.items():
+        signal.signal(signum, handler)
 
 
 def end_run(run, closing, error, signum):
@@ -1036,6 +1086,8 @@ def end_run(run, closing, error, signum):
     weights was not taken)."""
     close_run(run, closing)  # IMPALA's actor first: it plays no further while the checkpoint is written
     saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        remove_if_empty(run)
     name = signal.Signals(signum).name
     if isinstance(error, Interrupted) and saved_now:
         print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
@@ -1047,6 +1099,15 @@ def end_run(run, closing, error, signum):
         raise SystemExit(f"error: {error}; {last_saved(run)} (a lower --learning-rate may avoid it)") from None
     if isinstance(error, (Interrupted, KeyboardInterrupt)):
         raise SystemExit(128 + signum) from None
+
+
+def remove_if_empty(run):
+    """A new run stopped before its first row and checkpoint: its folder holds only its flags and
+    empty logs, so it goes (a resumed run's folder always stays)."""
+    metrics = os.path.join(run.dir, "metrics.jsonl")
+    empty = not os.path.exists(metrics) or os.path.getsize(metrics) == 0
+    if run.rank == 0 and not run.args.resume and run.saved is None and empty:
+        shutil.rmtree(run.dir, ignore_errors=True)
 
 
 def last_saved(run):

@@ -16,11 +16,15 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional, Tuple
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds on a busy machine): no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends, as on SIGTERM; nothing exists yet
 
 import numpy as np
 import torch
@@ -812,7 +816,8 @@ def train(args: Args):
     """All stages in order. Returns the summary record plus "histories": each beta's PPO records."""
     run = start_run(args)  # flags checked, runs/{run_name} created, seeded, the log opened
     device = run.device
-    with StopOnSignal(args, run.dir, run.log) as stop:  # Ctrl-C / SIGTERM: stop at the next safe point
+    # Ctrl-C / SIGTERM (also one since start_run): stop at the next safe point
+    with StopOnSignal(args, run.dir, run.log, run.signal_handlers) as stop:
         # 1. The language: a corpus from its grammar (the hidden gold reward is judge()). PPO-ptx
         # samples it too. `random` is seeded.
         corpus = [make_sentence(random, args.max_response_len) for _ in range(args.corpus_size)]
@@ -882,13 +887,23 @@ class Run:
     dir: str
     log: "Logger"
     start: float
+    signal_handlers: dict  # SIGINT's and SIGTERM's before the run, which StopOnSignal gives back
 
 
 def start_run(args):
     """Flags checked (before anything is allocated), runs/{run_name} created, random, numpy and
     torch seeded, the device chosen, the log opened."""
     validate_args(args)
-    name, run_dir = create_run_dir(args)
+    # A signal from here on is recorded as StopOnSignal records it: the run stops at its first safe
+    # point, and one that kept nothing leaves no folder.
+    handlers = {signum: signal.signal(signum, hold_signal) for signum in SIGNALS}
+    try:
+        name, run_dir = create_run_dir(args)
+        log = Logger(args, run_dir, name)
+    except BaseException:  # the handlers of before, and the error
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        raise
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -896,7 +911,7 @@ def start_run(args):
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     print(f"run {name} on {device}")
-    return Run(args, device, run_dir, Logger(args, run_dir, name), time.time())
+    return Run(args, device, run_dir, log, time.time(), handlers)
 
 
 def create_run_dir(args):
@@ -915,7 +930,14 @@ def create_run_dir(args):
 
 
 # ---------------------------------------------------------------- signals and checkpoints of a run
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SIGNALS_RECEIVED = []  # a run's first Ctrl-C / SIGTERM (StopOnSignal); read at the safe points
+
+
+def hold_signal(signum, frame):
+    """`start_run`'s handler until StopOnSignal takes over: the first signal is recorded."""
+    if not SIGNALS_RECEIVED:
+        SIGNALS_RECEIVED.append(signum)
 
 
 @dataclass
@@ -937,11 +959,12 @@ class StopOnSignal:
     what was kept and exit status 128 + the signal. A second signal stops at once, with one line.
     `save` writes the checkpoints (with --save-model) and lists them for that line."""
 
-    def __init__(self, args, run_dir, log):
+    def __init__(self, args, run_dir, log, previous_handlers=None):
         self.save_model = args.save_model
         self.run_dir = run_dir
         self.log = log
         self.saved = []
+        self.previous_handlers = previous_handlers  # None: those in place now
 
     def handler(self, signum, frame):
         name = signal.Signals(signum).name
@@ -952,8 +975,8 @@ class StopOnSignal:
         print(f"\n{name}: stopping after the current step (again: stop now)", flush=True)
 
     def __enter__(self):
-        signals = (signal.SIGINT, signal.SIGTERM)
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in signals}
+        in_place = {signum: signal.signal(signum, self.handler) for signum in SIGNALS}
+        self.previous = self.previous_handlers or in_place
         return self
 
     def __exit__(self, exception_type, exception, traceback):
@@ -962,12 +985,20 @@ class StopOnSignal:
         self.log.close()
         received = SIGNALS_RECEIVED[:]  # the first signal only: the second one stops in the handler
         SIGNALS_RECEIVED.clear()
+        if received and self.nothing_kept():  # stopped before its first record: only empty logs
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         if received and exception_type in (None, Stopped):
             stage = exception.stage if exception else "the final evaluation"
             print(f"{signal.Signals(received[0]).name}: stopped during {stage}; {self.kept()}", flush=True)
             raise SystemExit(128 + received[0])
 
+    def nothing_kept(self):
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        return not self.saved and (not os.path.exists(metrics) or os.path.getsize(metrics) == 0)
+
     def kept(self):
+        if self.nothing_kept():
+            return f"nothing kept (no record yet), {self.run_dir} removed"
         checkpoints = ", ".join(self.saved) or "no checkpoints (--save-model keeps the finished stages)"
         return f"kept in {self.run_dir}: metrics.jsonl, TensorBoard events, {checkpoints}"
 

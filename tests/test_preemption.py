@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from conftest import ROOT
 
 import ppo_procgen as ppo
 
@@ -216,3 +217,148 @@ def test_a_batch_shell_that_forwards_sigterm_gets_the_checkpoint(tmp_path):
     assert "interrupted by SIGTERM: saved iteration" in rest
     (checkpoint,) = list((tmp_path / "runs").glob("*/checkpoint.pt"))
     assert torch.load(checkpoint, weights_only=True)["iteration"] >= 3
+
+
+# ---- A signal in the first seconds: one line, exit 128 + signal, no empty run folder ----
+def script_module(name):
+    if name == "ppo_procgen.py":
+        return ppo
+    import importlib
+    return importlib.import_module(name[: -len(".py")])
+
+
+def startup_args(module, **overrides):
+    """Flags that pass every script's checks and make a run small: the run never reaches its loop."""
+    small = dict(env_id="coinrun", num_envs=4, num_steps=8, num_minibatches=1, update_epochs=1, unroll_length=8,
+                 n_pi=1, channels=(4,), hidden_size=16, eval_every=0, eval_episodes=2, torch_threads=1,
+                 total_timesteps=1024, **overrides)
+    return module.Args(**{key: value for key, value in small.items() if key in module.Args.__dataclass_fields__})
+
+
+@pytest.fixture
+def guarded_handlers():
+    """SIGINT and SIGTERM handlers of the test's own in place of pytest's (and SIGTERM's default, which would end
+    pytest): a signal that no script's handler takes fails the test; they must be back after the run."""
+    def not_taken(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the handler from before the run")
+    previous = {signum: signal.signal(signum, not_taken) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield not_taken
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def signal_during(module, moment, signum, monkeypatch):
+    """Send `signum` to this process while the run makes its log (a signal held until the folder and the log are
+    whole), its games or its network."""
+    def send():
+        os.kill(os.getpid(), signum)
+    if moment == "log":
+        class SignalledLogger(module.Logger):
+            def __init__(self, *args, **kwargs):
+                send()
+                super().__init__(*args, **kwargs)
+        monkeypatch.setattr(module, "Logger", SignalledLogger)
+    else:
+        name = {"games": "make_env", "network": "Agent"}[moment]
+        real = getattr(module, name)
+
+        def signalled(*args, **kwargs):
+            send()
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, signalled)
+
+
+@pytest.mark.parametrize("moment, signum", [("log", signal.SIGTERM), ("games", signal.SIGINT),
+                                            ("network", signal.SIGTERM)])
+@pytest.mark.parametrize("script", ["ppo_procgen.py", "vtrace.py", "ppg_procgen.py"])
+def test_a_signal_during_startup_ends_with_the_documented_line_and_no_folder(
+        script, moment, signum, cue_env, in_tmp, monkeypatch, capsys, guarded_handlers):
+    """Before the training loop there is nothing to save: the run ends at once with docs/reliability.md's line and
+    exit 128 + signal, removes its new folder (flags and empty logs), and gives the handlers back."""
+    module = script_module(script)
+    cue_env(module)
+    signal_during(module, moment, signum, monkeypatch)
+    with pytest.raises(SystemExit) as raised:
+        module.train(startup_args(module))
+    assert raised.value.code == 128 + signum
+    name = signal.Signals(signum).name
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"interrupted by {name}: nothing new to save; no checkpoint of this run was saved"
+    assert os.listdir("runs") == []
+    assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM) is guarded_handlers
+    assert signum not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_signal_before_the_first_whole_iteration_leaves_no_folder(cue_env, in_tmp, monkeypatch, capsys,
+                                                                   guarded_handlers):
+    """In the loop, before any row: the step in flight is dropped, nothing is saved, and the folder goes too."""
+    cue_env(ppo)
+    real_gae = ppo.compute_gae
+
+    def gae_then_signal(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_gae(*args)
+    monkeypatch.setattr(ppo, "compute_gae", gae_then_signal)
+    with pytest.raises(SystemExit) as raised:
+        ppo.train(tiny_args(save_model=True))
+    assert raised.value.code == 130
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "interrupted by SIGINT: nothing new to save; no checkpoint of this run was saved"
+    assert os.listdir("runs") == []
+
+
+def test_a_signal_while_a_resumed_run_starts_keeps_its_folder(cue_env, in_tmp, monkeypatch, capsys,
+                                                             guarded_handlers):
+    cue_env(ppo)
+    run_dir = ppo.train(tiny_args(save_model=True, save_every=1))
+    checkpoint, rows_before = os.path.join(run_dir, "checkpoint.pt"), rows(run_dir)
+    signal_during(ppo, "games", signal.SIGTERM, monkeypatch)
+    with pytest.raises(SystemExit) as raised:
+        ppo.train(dataclasses.replace(tiny_args(), resume=checkpoint))
+    assert raised.value.code == 143
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"interrupted by SIGTERM: nothing new to save; the last checkpoint is iteration 3 in "
+                    f"{checkpoint} (continue with --resume)")
+    assert "checkpoint.pt" in os.listdir(run_dir) and rows(run_dir) == rows_before
+
+
+@pytest.mark.parametrize("script, first_library", [("ppo_procgen.py", "gymnasium"), ("vtrace.py", "gymnasium"),
+                                                   ("ppg_procgen.py", "gymnasium"), ("ppo_rlhf_toy.py", "numpy")])
+def test_ctrl_c_while_the_libraries_load_prints_no_traceback(script, first_library, tmp_path):
+    """A Ctrl-C in the seconds that `python SCRIPT` spends importing torch: the process ends, status 128 + 2 in a
+    shell, without a traceback (the interpreter starts afresh: a forked child has torch loaded already)."""
+    import subprocess
+    import sys
+    sigint_on_import = (
+        "import importlib.abc, os, runpy, signal, sys\n"
+        "class Interrupt(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name == {first_library!r}:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        f"sys.argv = [{os.path.join(ROOT, script)!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", sigint_on_import], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == -signal.SIGINT and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rlhf_toy_signal_while_the_run_starts_leaves_no_folder(in_tmp, monkeypatch, capsys, guarded_handlers):
+    """The RLHF toy holds a signal from its folder to its StopOnSignal: the first safe point stops the run, which
+    kept nothing, so its folder goes."""
+    import ppo_rlhf_toy as M
+
+    class SignalledLogger(M.Logger):
+        def __init__(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(M, "Logger", SignalledLogger)
+    with pytest.raises(SystemExit) as raised:
+        M.train(M.Args(d_model=16, n_heads=2, n_layers=1, corpus_size=64, threads=1))
+    assert raised.value.code == 143
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("SIGTERM: stopped during SFT; nothing kept (no record yet), runs/rlhf_sentiment__")
+    assert os.listdir("runs") == []
+    assert signal.getsignal(signal.SIGTERM) is guarded_handlers
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

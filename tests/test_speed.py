@@ -1,4 +1,5 @@
 """The speed flags never change the algorithm, and the benchmark harness works (at tiny flags, on CPU)."""
+import importlib
 import json
 import os
 import sys
@@ -60,15 +61,24 @@ def test_no_amp_rollout_keeps_bf16_to_the_update(script, in_tmp):
     assert update_only["losses/value_loss"] != plain["losses/value_loss"]
 
 
-def test_threads_default_to_the_cores_for_torch_on_cpu(in_tmp):
+@pytest.mark.parametrize("script", ["ppo_procgen", "vtrace"])
+def test_threads_default_to_half_the_cores_for_torch_on_cpu(script, in_tmp, monkeypatch):
     """Rollout steps alternate between the games and the network, so their threads take turns (see start_run): on
-    a CPU torch gets the cores and the games one thread; flags given win."""
-    cores = len(os.sched_getaffinity(0))
-    run = ppo.start_run(ppo.Args(cuda=False))
-    run.logger.close()
-    assert run.args.env_threads == 1 and torch.get_num_threads() == cores
-    run = ppo.start_run(ppo.Args(cuda=False, env_threads=3, torch_threads=2))
-    run.logger.close()
+    a CPU torch gets half the cores (a team as large as a busy machine collapses: docs/speed.md) and the games one
+    thread; IMPALA's actor and learner split torch's half; flags given win."""
+    module = importlib.import_module(script)
+    for cores, torch_threads in [(1, 1), (2, 1), (3, 1), (8, 4)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        run = module.start_run(module.Args(cuda=False))
+        if script == "vtrace":
+            module.actor_learner_threads(run)
+            torch_threads = max(1, torch_threads // 2)
+        module.close_run(run, closing=())
+        module.restore_signal_handlers(run)
+        assert run.args.env_threads == 1 and torch.get_num_threads() == torch_threads, cores
+    run = module.start_run(module.Args(cuda=False, env_threads=3, torch_threads=2))
+    module.close_run(run, closing=())
+    module.restore_signal_handlers(run)
     assert run.args.env_threads == 3 and torch.get_num_threads() == 2
     torch.set_num_threads(1)
 
