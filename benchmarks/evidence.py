@@ -6,10 +6,13 @@ side by side to 8M steps, against the official runs' three seeds at the same ste
 
 The runs are benchmarks/procgen_suite.sh's hard-mode jobs (its MODE=hard flags: PPO as the PPG paper's baseline,
 PPG at its defaults, 256 games each), started side by side by benchmarks/launch.py (the cores split between them)
-in OUT/<game>__<script>__<seed>/, with --save-model. At the deadline each saves its last whole iteration and
-stops; the next call resumes every run that has not reached its steps (`--resume`) and starts the missing ones,
-so a second window finishes what the first began. A run folder left without a checkpoint (stopped before its
-first iteration) is started again.
+in OUT/<game>__<script>__<seed>/, with --save-model. At the deadline each saves its resume point and stops: PPO
+its last whole iteration, PPG the end of its last auxiliary phase (B is not saved), so a PPG run loses the
+iterations it played since then, up to N_pi (2.1M steps at 256 games): give each call a window that holds a
+PPG phase (after a window, each PPG run that lost steps says so, with its phase's time at its pace). The next
+call resumes every run that has not reached its steps (`--resume`) and starts the missing ones. A run folder
+left without a checkpoint (stopped before its first resume point) is started again. OUT may move between calls,
+to another path or machine: the runs are found under OUT and resumed from there.
 
 Then, whether or not the runs are done, OUT/evidence.md (and evidence.json) holds per game, at the latest step
 that every run of the game has reached (8M once they are done): each algorithm's return, as `results.py
@@ -85,6 +88,32 @@ def plan(args):
         else:
             todo.append(launch.Job(name, [words[0], "--resume", os.path.abspath(os.path.join(run, "checkpoint.pt"))]))
     return todo, done
+
+
+def steps_past_resume_point(folder):
+    """A PPG job's (steps past its resume point, steps per phase): it resumes at the end of its last auxiliary
+    phase (every N_pi iterations) or of the run, so the iterations logged after it are played again. None for
+    a job that is not PPG with auxiliary phases, or has no rows."""
+    run = run_folder_of(folder)
+    if run is None:
+        return None
+    run = results.read_run(run)
+    args = run.args
+    if args.get("script") != "ppg_procgen.py" or not args.get("e_aux"):
+        return None
+    iterations = [row["iteration"] for row in run.rows if "charts/episodic_return" in row]
+    if not iterations:
+        return None
+    batch = args["num_envs"] * args["num_steps"]
+    last = iterations[-1]
+    resume_point = last if last == args["total_timesteps"] // batch else last // args["n_pi"] * args["n_pi"]
+    return (last - resume_point) * batch, args["n_pi"] * batch
+
+
+def run_folder_of(folder):
+    """The job's run folder (OUT/<job>/runs/<run>), without removing anything; None if it has none."""
+    found = sorted(glob.glob(os.path.join(folder, "runs", "*", "args.json")))
+    return os.path.dirname(found[0]) if found else None
 
 
 def game_rows(out):
@@ -168,8 +197,9 @@ def parse(argv=None):
                         help="Procgen games (the official runs separate at 8M on StarPilot and BigFish)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="seeds of each algorithm and game")
     parser.add_argument("--total-timesteps", type=int, default=8_000_000, help="each run's steps")
-    parser.add_argument("--minutes", type=float, default=7.5,
-                        help="training time of this call; then every run saves and stops (see --grace)")
+    parser.add_argument("--minutes", type=float, default=60.0,
+                        help="training time of this call; then every run saves and stops (see --grace): long "
+                             "enough for a PPG phase, else PPG's work of the call is lost")
     parser.add_argument("--grace", type=float, default=60.0, help="seconds a stopping run has to save")
     parser.add_argument("--ppo-flags", default="", help="more flags for the PPO runs (e.g. smaller ones on a CPU)")
     parser.add_argument("--ppg-flags", default="", help="more flags for the PPG runs")
@@ -195,6 +225,12 @@ def main(argv=None):
     if todo:
         report, interrupted = launch.launch(todo, args.out, args.minutes * 60, args.grace)
         launch.print_report(report)
+        for name, run in report["runs"].items():
+            lost = steps_past_resume_point(os.path.join(args.out, name))
+            if lost is not None and lost[0] and run["steps_per_s"] > 0:
+                print(f"{name}: the {lost[0]:,} steps since its last auxiliary phase are lost (PPG resumes at a "
+                      f"phase's end); a phase of {lost[1]:,} steps takes {lost[1] / run['steps_per_s'] / 60:.0f} min "
+                      f"at this call's {run['steps_per_s']:,.0f} steps/s: give --minutes at least that")
         if interrupted:
             return 130
         if any(run["status"].startswith(("failed", "killed")) for run in report["runs"].values()):

@@ -1,9 +1,11 @@
 """benchmarks/launch.py (runs side by side: the cores split, the deadline, steps/s) and benchmarks/evidence.py (PPO
 and PPG against the official runs): the launcher on stand-in scripts; the evidence's table against the official
-runs' own file; the evidence command end to end at tiny flags on CPU, cut by a Ctrl-C and resumed."""
+runs' own file; the evidence command end to end at tiny flags on CPU, cut by a Ctrl-C, moved to another folder and
+resumed there; the PPG steps a cut loses past the last auxiliary phase."""
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,7 +150,10 @@ def training_rows(out, job):
     return rows
 
 
-def test_the_evidence_command_cut_by_ctrl_c_resumes_and_writes_its_table_and_figure(tmp_path, monkeypatch, capsys):
+def test_the_evidence_command_cut_by_ctrl_c_moved_resumes_and_writes_its_table_and_figure(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """Cut by a Ctrl-C, then the folder moved (as to another path or machine) and resumed there: every iteration
+    once across the cut, the checkpoints read from the new place, nothing written to the old one."""
     out = tmp_path / "evidence"
     jobs = ("starpilot__ppo_procgen__1", "starpilot__ppg_procgen__1")
     first = subprocess.Popen(evidence_command(out, 10), cwd=tmp_path, stdout=subprocess.PIPE,
@@ -163,10 +168,14 @@ def test_the_evidence_command_cut_by_ctrl_c_resumes_and_writes_its_table_and_fig
     cut = {job: len(training_rows(out, job)) for job in jobs}
     assert all(2 <= rows < 16 for rows in cut.values()), cut  # cut before its 16 iterations, rows kept
 
-    monkeypatch.chdir(tmp_path)
+    moved = tmp_path / "elsewhere" / "evidence"
+    shutil.move(out, moved)
+    out = moved
+    monkeypatch.chdir(tmp_path / "elsewhere")
     assert evidence.main(evidence_command(out, 5)[2:]) == 0  # in this process: one interpreter start fewer
     second = capsys.readouterr().out
-    assert second.count(" --resume ") == 2, second[:3000]
+    assert second.count(f" --resume {out}{os.sep}") == 2, second[:3000]
+    assert not (tmp_path / "evidence").exists()
     for job in jobs:  # every iteration once, across the cut
         assert [row["iteration"] for row in training_rows(out, job)] == list(range(1, 17)), job
     table = (out / "evidence.md").read_text()
@@ -176,3 +185,22 @@ def test_the_evidence_command_cut_by_ctrl_c_resumes_and_writes_its_table_and_fig
     assert all(run["status"] == "finished" and run["steps"] > 0 for run in report["runs"].values())
     todo, done = evidence.plan(evidence.parse(evidence_command(out, 5)[2:]))  # what a third call would do
     assert not todo and sorted(done) == sorted(jobs)
+
+
+def test_a_ppg_cut_loses_the_steps_past_its_last_auxiliary_phase(tmp_path):
+    """PPG resumes at the end of its last auxiliary phase (every N_pi iterations) or of its run: the steps logged
+    after it are lost; PPO's are not counted."""
+    args = {"script": "ppg_procgen.py", "env_id": "bigfish", "distribution_mode": "hard", "seed": 1, "e_aux": 6,
+            "n_pi": 32, "num_envs": 256, "num_steps": 256, "total_timesteps": 8_000_000}
+    batch = 256 * 256
+    for last, lost in ((45, 13), (64, 0), (31, 31), (122, 0)):  # 122: the run's last iteration
+        run = tmp_path / str(last) / "runs" / "a"
+        run.mkdir(parents=True)
+        (run / "args.json").write_text(json.dumps(args))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"global_step": i * batch, "iteration": i, "charts/episodic_return": 1.0}) + "\n"
+            for i in range(1, last + 1)))
+        assert evidence.steps_past_resume_point(str(tmp_path / str(last))) == (lost * batch, 32 * batch), last
+    (tmp_path / "45" / "runs" / "a" / "args.json").write_text(json.dumps(dict(args, script="ppo_procgen.py")))
+    assert evidence.steps_past_resume_point(str(tmp_path / "45")) is None
+    assert evidence.steps_past_resume_point(str(tmp_path / "none")) is None
