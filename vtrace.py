@@ -1119,11 +1119,11 @@ def end_run(run, closing, error, signum):
 
 
 def remove_if_empty(run):
-    """A new run stopped before its first row and checkpoint: its folder holds only its flags and
-    empty logs, so it goes (a resumed run's folder always stays)."""
+    """A run stopped before its first row and checkpoint: its folder holds only its flags and empty
+    logs, so it goes (a resumed run has its checkpoint: its folder stays)."""
     metrics = os.path.join(run.dir, "metrics.jsonl")
     empty = not os.path.exists(metrics) or os.path.getsize(metrics) == 0
-    if run.rank == 0 and not run.args.resume and run.saved is None and empty:
+    if run.rank == 0 and run.saved is None and empty:
         shutil.rmtree(run.dir, ignore_errors=True)
 
 
