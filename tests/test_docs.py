@@ -1432,8 +1432,8 @@ NEW_PLANTED_EDITS = [
     ("an example line of another command", "README.md", "`iter 3/32 | step 49,152", "`iter 3/64 | step 3,072",
      example_line_problems),
     ("a public grade's points", "docs/assignments.md", "| 15 |", "| 16 |", point_problems),
-    ("a file's test count", "docs/assignments.md", "`tests/test_grader_sandbox.py` (",
-     "`tests/test_grader_sandbox.py` (3 tests; ", functools.partial(count_problems, counts={})),
+    ("a file's test count", "docs/assignments.md", "`tests/test_grader_sandbox.py`:",
+     "`tests/test_grader_sandbox.py` (3 tests):", functools.partial(count_problems, counts={})),
     ("the suite's test count", "docs/rlhf.md", "## Metrics\n", "## Metrics\nThe suite has 700 tests.\n",
      functools.partial(count_problems, counts={})),
 ]
