@@ -14,9 +14,9 @@ import pytest
 import tyro
 from conftest import ROOT
 
-# The steps the shared dry run runs: the most valuable ones, whose processes the suite does not run elsewhere
-# (ppo-fast, impala-speed, nccl and cuda-tests are covered by the listing's parse, test_speed.py's harness test and
-# tests/test_gpu_check.py's scaled run and cut pytest).
+# The steps the shared dry run runs: those whose processes the suite does not run elsewhere and that are cheap on a
+# CPU (ppo-flags' six bench.py runs, impala-speed, nccl and cuda-tests are covered by the listing's parse, test_speed.py's
+# harness test and tests/test_gpu_check.py's scaled run, cut pytest and count of the files a whole run writes).
 DRY_RUN_STEPS = "preflight,ppo-speed,ppg-speed,learning,results"
 
 
