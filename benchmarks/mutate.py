@@ -14,11 +14,12 @@ tests run first, once: if any fails there the runner stops.
   python benchmarks/mutate.py --only ppo-clip-lower-bound gae-no-lambda --jobs 1
   python benchmarks/mutate.py --list
 
-Why not mutmut or cosmic-ray: they generate operator swaps (+ for -, < for <=, a constant changed) on every line of
-a module, thousands for these 1,200-1,500-line scripts and mostly in plumbing (flags, logs, checkpoints), each run
-against one test command. What is tested here is a fixed, reviewed list of the bugs a reader of the papers could
-make, each with a description and its own quick selection of tests, so that the whole pass fits in half an hour on
-two cores and its score says which equations the tests pin down.
+Why not mutmut or cosmic-ray: they generate mutants mechanically, one for each operator or constant they can change
+on every line of a module, so for these scripts mostly in plumbing (flags, logs, checkpoints, signals), each to be
+triaged by hand as a bug or an equivalent change. What is tested here instead is a
+fixed, reviewed list of the bugs a reader of the papers could make, each with its description and its own quick
+selection of tests, so that a whole pass takes minutes on two cores and its score says which equations the tests
+pin down.
 """
 import argparse
 import concurrent.futures
