@@ -462,6 +462,73 @@ def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkey
     assert not unmatched
 
 
+# ---------------------------------------------------------------- PPG's auxiliary phase
+def paper_heads(agent, obs, arch):
+    """pi's logits, V and V_aux as paper 3.6 builds them, from the agent's modules: V_aux a head of
+    its own on the policy network's features; V on the value network ('dual'), or on the policy
+    network's features with no gradient into them ('detach', the PPG code's one trunk)."""
+    hidden = agent.trunk(obs)
+    value_hidden = agent.value_trunk(obs) if arch == "dual" else hidden.detach()
+    return agent.actor(hidden), agent.critic(value_hidden).squeeze(-1), agent.aux_critic(hidden).squeeze(-1)
+
+
+def paper_joint_loss(logits, old_logits, values, aux_values, targets, beta_clone):
+    """PPG Eq. 3 plus Eq. 2, each sample's terms written out in float64: L_aux = 1/2 (V_aux -
+    V_targ)^2, beta_clone KL(pi_old || pi) = beta_clone sum_a pi_old(a) (log pi_old(a) - log pi(a)),
+    L_value = 1/2 (V - V_targ)^2, averaged over the samples."""
+    terms = []
+    for i in range(len(targets)):
+        log_pi = torch.log_softmax(logits[i].double(), -1)
+        old_log_pi = torch.log_softmax(old_logits[i].double(), -1)
+        kl = sum(old_log_pi[a].exp() * (old_log_pi[a] - log_pi[a]) for a in range(len(log_pi)))
+        target = targets[i].double()
+        terms.append(0.5 * (aux_values[i].double() - target) ** 2 + beta_clone * kl
+                     + 0.5 * (values[i].double() - target) ** 2)
+    return sum(terms) / len(terms)
+
+
+def moved_pi_old(obs):
+    """A fixed shift of the logits for each frame, up to +-1 per action, read off its first pixels."""
+    return obs[:, 0, :15, 0].float() / 127.5 - 1
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_ppg_auxiliary_phase_takes_the_sgd_steps_of_l_joint_plus_l_value(arch):
+    """PPG Algorithm 1's auxiliary phase: pi_old(.|s) stored for all of B at the phase's start, then
+    E_aux epochs of one step on L_joint (Eq. 3) plus L_value (Eq. 2), checked against the loss
+    written per sample, with beta_clone away from 1 and E_aux = 2 (the second step at a policy that
+    the first one moved). At pi = pi_old the KL and its gradient vanish, so neither beta_clone nor
+    the KL's direction would show: the network answers the passes without gradient (pi_old's) with
+    logits moved by a fixed function of the frame."""
+    R, T, beta_clone, lr = 4, 4, 0.37, 0.02
+    args = ppg.Args(channels=(4,), hidden_size=16, arch=arch, e_aux=2, num_aux_rollouts=R, beta_clone=beta_clone)
+    agent = non_uniform_agent(ppg, args, seed=2)
+    generator = torch.Generator().manual_seed(2)
+    aux_obs = torch.randint(0, 256, (R, T, 64, 64, 3), dtype=torch.uint8, generator=generator)
+    aux_value_targets = 1.0 + torch.randn(R, T, generator=generator)
+    reference, start = copy.deepcopy(agent), weights(agent)
+
+    def forward_aux(obs):
+        logits, value, aux_value = agent.forward_aux(obs)
+        if not torch.is_grad_enabled():
+            logits = logits + moved_pi_old(obs)
+        return logits, value, aux_value
+
+    stats = ppg.auxiliary_phase(forward_aux, torch.optim.SGD(agent.networks(), lr=lr), aux_obs, aux_value_targets,
+                                args)
+
+    obs, targets = aux_obs.flatten(0, 1), aux_value_targets.flatten()
+    with torch.no_grad():
+        old_logits = paper_heads(reference, obs, arch)[0] + moved_pi_old(obs)
+    for epoch in range(args.e_aux):  # one minibatch of all R rollouts: the shuffle does not matter
+        logits, values, aux_values = paper_heads(reference, obs, arch)
+        loss = paper_joint_loss(logits, old_logits, values, aux_values, targets, beta_clone)
+        sgd_step([list(reference.parameters())], loss, lr, args.max_grad_norm)
+    assert stats["aux/kl"] > 0.05  # the clone term's gradient is far from 0
+    assert_same_step(agent, reference, start)
+    assert not torch.equal(start["aux_critic.weight"], weights(agent)["aux_critic.weight"])
+
+
 # ---------------------------------------------------------------- evaluation on levels that training never plays
 def procgen_level(rand_seed, num_levels, start_level, game, episode):
     """Procgen's level draws in closed form: game `game` of a vector env made with `rand_seed`
@@ -547,7 +614,7 @@ def test_evaluation_plays_levels_that_training_never_plays(script, num_levels, s
 
 
 # ---------------------------------------------------------------- schedules and diagnostics
-@pytest.mark.parametrize("script", ["ppo", "vtrace"])  # PPG's: test_ppg.py's budget-and-annealing test
+@pytest.mark.parametrize("script", ["ppo", "vtrace"])  # PPG's: the next test
 def test_annealed_learning_rate_falls_linearly_to_zero_over_the_run(script, in_tmp, monkeypatch):
     """--anneal-lr: iteration i of N trains at lr (1 - (i - 1) / N), from the full rate down to lr /
     N."""
@@ -562,6 +629,34 @@ def test_annealed_learning_rate_falls_linearly_to_zero_over_the_run(script, in_t
     with open(f"{run_dir}/metrics.jsonl") as rows:
         rates = [row["charts/learning_rate"] for row in map(json.loads, rows) if "charts/learning_rate" in row]
     assert rates == pytest.approx([3e-3, 2e-3, 1e-3], rel=1e-12)
+
+
+def test_ppg_anneals_both_phases_learning_rates_over_the_run(in_tmp, monkeypatch):
+    """--anneal-lr in PPG: iteration i of N trains at lr (1 - (i - 1) / N) in its policy phase, and the
+    auxiliary phase that follows it at the same rate, in every parameter group of both phases'
+    optimizers (the PPG code anneals both). 5 iterations, N_pi = 2: phases after iterations 2 and 4."""
+    module, flags = LEVEL_RUNS["ppg"]
+    monkeypatch.setattr(ppg, "procgen_backend", lambda choice: "procgen")
+    monkeypatch.setattr(ppg, "make_games", lambda backend, num_envs, seed, *arguments, **options: LevelGames(
+        num_envs, seed, 0, 0, "train", []))
+    policy_rates, aux_rates = [], []
+    ppo_update, auxiliary_phase = ppg.ppo_update, ppg.auxiliary_phase
+
+    def recorded_update(agent, optimizer, *rest):
+        policy_rates.append([group["lr"] for group in optimizer.param_groups])
+        return ppo_update(agent, optimizer, *rest)
+
+    def recorded_phase(forward_aux, optimizer, *rest):
+        aux_rates.append([group["lr"] for group in optimizer.param_groups])
+        return auxiliary_phase(forward_aux, optimizer, *rest)
+
+    monkeypatch.setattr(ppg, "ppo_update", recorded_update)
+    monkeypatch.setattr(ppg, "auxiliary_phase", recorded_phase)
+    args = ppg.Args(env_id="coinrun", num_envs=3, channels=(4,), hidden_size=16, eval_every=0, eval_episodes=1,
+                    torch_threads=1, anneal_lr=True, learning_rate=5e-3, **{**flags, "total_timesteps": 5 * 3 * 4})
+    train_in(in_tmp, ppg, args)
+    assert policy_rates == [[pytest.approx(5e-3 * (1 - i / 5), rel=1e-12)] * 2 for i in range(5)]
+    assert aux_rates == [[pytest.approx(5e-3 * (1 - i / 5), rel=1e-12)] * 2 for i in (1, 3)]
 
 
 def test_explained_variance_is_one_minus_the_residual_variance_share():
