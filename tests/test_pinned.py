@@ -1,11 +1,12 @@
 """Exact tests that pin each piece of the algorithms to its paper's definition, written
 independently of the scripts: one SGD step of PPO (Schulman et al. 2017, Eq. 9) and of PPG's policy
 phase (Cobbe et al. 2021, Eq. 1-2) against the loss written out per sample; what enters PPG's buffer
-B (V_targ = A + V of the same rollout, by a naive GAE sum); the IMPALA learner's step against
-V-trace's double sum (Espeholt et al. 2018, Eq. 1) on a policy that tells every frame apart;
-evaluation on levels that training never plays, in all three Procgen scripts; and the schedules that
-only a learning curve would otherwise see. A one-line slip in any of them changes a number here far
-beyond the tolerance, instead of lowering a learning curve by luck."""
+B (V_targ = A + V of the same rollout, by a naive GAE sum) and PPG's auxiliary phase (Eq. 2-3:
+KL(pi_old || pi), V_aux on its own head); the IMPALA learner's step against V-trace's double sum
+(Espeholt et al. 2018, Eq. 1) on a policy that tells every frame apart; evaluation on levels that
+training never plays, in all three Procgen scripts; and the schedules that only a learning curve
+would otherwise see. A one-line slip in any of them changes a number here far beyond the
+tolerance, instead of lowering a learning curve by luck."""
 import contextlib
 import copy
 import functools

@@ -1,13 +1,15 @@
 """Exact tests that pin ppo_rlhf_toy.py's pieces to their definitions, written independently of the
 script: the best-of-n baseline by brute force over every subset of its pool, the RL update's whole
 loss (InstructGPT Eq. 2 with PPO's clipped surrogate and value loss) by one plain SGD step, what the
-rollout hands to the update (per-token rewards, values aligned with the tokens they predict, GAE)
-and the learning-rate schedule. A one-line slip in any of them changes a number here far beyond the
+rollout hands to the update (per-token rewards, values aligned with the tokens they predict, GAE),
+the learning-rate schedule, and the preference labels (the labeller's choice first, in the pairs and
+in the reward model's loss). A one-line slip in any of them changes a number here far beyond the
 tolerance."""
 import copy
 import dataclasses
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -192,3 +194,102 @@ def test_rl_learning_rate_falls_linearly_to_zero_over_the_iterations():
         history = M.run_ppo(args, rl, args.beta)
     expected = [2e-3, 1.5e-3, 1e-3, 0.5e-3]
     assert used == pytest.approx(expected, rel=1e-12) and [r["lr"] for r in history] == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------- preferences and the reward model
+def catalogue_pairs(count, seed):
+    """`count` pairs of indices of catalogue responses that end with EOS, of distinct gold scores."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = []
+    while len(picks) < count:
+        first, second = torch.randint(0, len(CATALOGUE), (2,), generator=generator).tolist()
+        ends = "." in CATALOGUE[first][0] and "." in CATALOGUE[second][0]
+        if ends and CATALOGUE[first][1] != CATALOGUE[second][1]:
+            picks.append((first, second))
+    return picks
+
+
+@pytest.mark.parametrize("label_noise", [1e-4, 0.7], ids=["noiseless", "noisy"])
+def test_preference_pairs_put_the_labellers_choice_first(label_noise, monkeypatch):
+    """make_preference_pairs against its definition: each pair is its prompt's two SFT samples, the
+    first chosen with p = sigmoid((r*(a) - r*(b)) / tau) (tau = --label-noise). Whatever the draw,
+    the chosen and rejected sentences are the pair's two, gold_margin = r*(chosen) - r*(rejected)
+    and the label's probability of being right is sigmoid(|r*(a) - r*(b)| / tau); with tau near 0
+    the gold-better response is always chosen. A pair with a response lacking EOS is dropped."""
+    torch.manual_seed(0)  # the prompts and the labeller's draws
+    args = M.Args(num_pairs=24, label_noise=label_noise)
+    picks = catalogue_pairs(args.num_pairs, seed=3)
+    width = args.max_response_len
+    rows = [response_row(CATALOGUE[pick][0], width) for pair in picks for pick in pair]
+    rows[5] = [M.TOKEN["was"]] + [M.TOKEN["great"]] * (width - 1)  # pair 2's second: no EOS
+    seen = {}
+
+    def stub_sample(policy, queries, max_new_tokens, temperature):
+        assert temperature == 1.0 and len(queries) == 2 * args.num_pairs
+        seen["queries"] = queries
+        return torch.tensor(rows), torch.zeros(len(rows), width)
+
+    monkeypatch.setattr(M, "sample", stub_sample)
+    chosen, rejected, gold_margin, p_label = M.make_preference_pairs(args, None, "cpu")
+
+    kept = [pair for pair in range(args.num_pairs) if pair != 2]
+    assert len(chosen) == len(rejected) == len(gold_margin) == len(p_label) == len(kept)
+    queries = seen["queries"].tolist()
+    for i, pair in enumerate(kept):
+        first, second = (queries[2 * pair + k] + rows[2 * pair + k] for k in (0, 1))
+        gold_first, gold_second = (CATALOGUE[pick][1] for pick in picks[pair])
+        chosen_row, rejected_row = chosen[i].tolist(), rejected[i].tolist()
+        assert (chosen_row, rejected_row) in ((first, second), (second, first))
+        gold_chosen, gold_rejected = gold_first, gold_second
+        if chosen_row == second:
+            gold_chosen, gold_rejected = gold_second, gold_first
+        assert gold_margin[i].item() == pytest.approx(gold_chosen - gold_rejected, abs=1e-6)
+        right = 1 / (1 + math.exp(-abs(gold_first - gold_second) / label_noise))
+        assert p_label[i].item() == pytest.approx(right, rel=1e-5)
+        if label_noise < 0.01:
+            assert gold_chosen > gold_rejected
+    if label_noise > 0.01:  # both orders occur, the labeller errs sometimes
+        assert 0 < (gold_margin < 0).sum() < len(kept) / 2
+
+
+def test_reward_model_trains_on_the_chosen_response_first_pair_by_pair(monkeypatch):
+    """train_reward_model's loss is InstructGPT Eq. 1's -log sigma(r(x, y_w) - r(x, y_l)): every
+    Bradley-Terry call, training and held-out, takes the RM's score of chosen responses first and of
+    the rejected responses of the same pairs second, row by row."""
+    torch.manual_seed(0)  # the prompts, the RM's head and its shuffles
+    args = M.Args(d_model=16, n_heads=2, n_layers=1, num_pairs=30, rm_epochs=2, rm_lr=1e-3)
+    picks = catalogue_pairs(args.num_pairs, seed=4)
+    width = args.max_response_len
+    queries = M.random_prompts(args.num_pairs, "cpu")
+    chosen, rejected = (torch.cat([queries, torch.tensor([response_row(CATALOGUE[pair[k]][0], width)
+                                                          for pair in picks])], 1) for k in (0, 1))
+    pairs = (chosen, rejected, torch.ones(args.num_pairs), torch.full((args.num_pairs,), 0.9))
+    scores, calls = [], []
+    score_at_eos, bradley_terry_loss = M.score_at_eos, M.bradley_terry_loss
+
+    def recorded_score(per_token_scores, tokens):
+        scores.append((score_at_eos(per_token_scores, tokens), tokens))
+        return scores[-1][0]
+
+    def recorded_loss(r_chosen, r_rejected):
+        calls.append((r_chosen, r_rejected))
+        return bradley_terry_loss(r_chosen, r_rejected)
+
+    def stub_sample(policy, queries, max_new_tokens, temperature):  # the RM's normalization samples
+        return torch.tensor([response_row(CATALOGUE[0][0], max_new_tokens)] * len(queries)), None
+
+    monkeypatch.setattr(M, "score_at_eos", recorded_score)
+    monkeypatch.setattr(M, "bradley_terry_loss", recorded_loss)
+    monkeypatch.setattr(M, "sample", stub_sample)
+    run = types.SimpleNamespace(args=args, device=torch.device("cpu"), log=lambda *arguments: None)
+    M.train_reward_model(run, M.make_model(args, len(M.VOCAB)), pairs)
+
+    def tokens_of(reward):
+        (tokens,) = [tokens for score, tokens in scores if score is reward]
+        return tokens.tolist()
+
+    labelled = set(zip(map(tuple, chosen.tolist()), map(tuple, rejected.tolist())))
+    assert len(calls) >= 2 * args.rm_epochs  # each epoch: training steps and the held-out loss
+    for r_chosen, r_rejected in calls:
+        for chosen_row, rejected_row in zip(tokens_of(r_chosen), tokens_of(r_rejected)):
+            assert (tuple(chosen_row), tuple(rejected_row)) in labelled
