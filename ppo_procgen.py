@@ -108,7 +108,8 @@ class Args:
     """the games' implementation, both built from Procgen 0.10.7's C++ code: procgen-mirror (the official
     package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (elsewhere); auto: the one installed"""
     num_envs: int = 64
-    """parallel game instances (one procgen vector env)"""
+    """games played at once, over all ranks; each rank plays its share in two pools of equal size
+    (one pool where the share is odd)"""
     # The run: seed and length; evaluation; logs; checkpoints; speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the experiment's name, part of the run's name"""
@@ -119,8 +120,7 @@ class Args:
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms: a GPU run is then bit-reproducible, at the cost
     of cuDNN's autotuner, which --no-torch-deterministic turns on (it times the convolution
-    algorithms for these shapes and keeps the fastest; its gain on a GPU is not measured yet).
-    No effect on a CPU"""
+    algorithms for these shapes and keeps the fastest). No effect on a CPU"""
     cuda: bool = True
     """use the GPU when one is available"""
     eval_every: int = 100
@@ -162,8 +162,8 @@ class Args:
     """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
     and replay it: one launch where eager PyTorch pays host time for each of its kernels. The graph
     replays the eager step's kernels on fixed tensors and the same random numbers (with --compile,
-    all but the captured step runs compiled); off by default until a GPU has shown its rollouts equal
-    to the eager ones bit for bit (docs/speed.md). Without CUDA it does nothing"""
+    all but the captured step runs compiled); off by default: docs/speed.md says where its rollouts
+    are shown equal to the eager ones bit for bit. Without CUDA it does nothing"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
@@ -172,7 +172,7 @@ class Args:
     """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
     amp_rollout: bool = True
     """with --amp, the rollout's forward passes in bfloat16 too; --no-amp-rollout keeps them in
-    float32, bfloat16 for the optimization alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
+    float32, bfloat16 for the optimization alone (docs/speed.md: which is faster where)"""
 
 
 def make_env(args, num_envs):
@@ -1408,10 +1408,12 @@ def check_args(args):
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
 # on this project's 2-core VMs (docs/speed.md).
-CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at 147 steps/s: 25M steps take 2 days. A run "
-            "that finishes in about 6 minutes there: python ppo_procgen.py --num-envs 16 --num-steps 64 "
-            "--num-minibatches 4 --total-timesteps 65536. --amp (bfloat16) ran 1.8x faster on a CPU with AVX512-BF16.")
+CPU_NOTE = ("note: training on the CPU. On an idle 2-core CPU the defaults ran at 147 steps/s with --torch-threads 2 "
+            "(the default, half the cores, is slower when idle and steady when other programs keep the cores busy): "
+            "25M steps take 2 days. A run of minutes: python ppo_procgen.py --num-envs 16 --num-steps 64 "
+            "--num-minibatches 4 --total-timesteps 65536 (6 minutes there with --torch-threads 2). --amp (bfloat16) "
+            "ran 1.8x faster on a CPU with AVX512-BF16.")
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    train(tyro.cli(Args, description=__doc__.split("\n\n")[0]))

@@ -1288,4 +1288,4 @@ def validate_args(args):
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    train(tyro.cli(Args, description=__doc__.split("\n\n")[0]))

@@ -116,7 +116,8 @@ class Args:
     # 32, not PPO's 64: one actor thread steps all games and its unroll of them is one learner batch
     # (one update per unroll keeps the lag exact), so 32 games = IMPALA's 32 unrolls (Table G.1).
     num_envs: int = 32
-    """parallel game instances (one procgen vector env)"""
+    """games played at once, over all ranks; each rank plays its share in two pools of equal size
+    (one pool where the share is odd)"""
     # The run: seed and length; evaluation; logs; checkpoints; speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the experiment's name, part of the run's name"""
@@ -128,8 +129,7 @@ class Args:
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms: a GPU run is then bit-reproducible, at the cost
     of cuDNN's autotuner, which --no-torch-deterministic turns on (it times the convolution
-    algorithms for these shapes and keeps the fastest; its gain on a GPU is not measured yet).
-    No effect on a CPU"""
+    algorithms for these shapes and keeps the fastest). No effect on a CPU"""
     cuda: bool = True
     """use the GPU when one is available"""
     eval_every: int = 100
@@ -1581,4 +1581,4 @@ def check_vtrace_inputs(log_rhos, discounts, rewards, values, bootstrap_value, l
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    train(tyro.cli(Args, description=__doc__.split("\n\n")[0]))

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppg_procgen  # noqa: E402
 import ppo_procgen  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--repeats", type=int, default=50, help="timed all-reduces per network (after 5 untimed)")
 parser.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
 options = parser.parse_args()

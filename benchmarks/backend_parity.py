@@ -104,12 +104,13 @@ def worst_over_seeds(per_seed, games):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--procgen-python", help="an interpreter with procgen-mirror installed")
     parser.add_argument("--envpool-python", help="an interpreter with envpool installed")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--num-envs", type=int, default=4)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[7])
+    parser.add_argument("--steps", type=int, default=1000, help="steps of each game")
+    parser.add_argument("--num-envs", type=int, default=4, help="games of each backend")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[7], help="seeds of the games")
     parser.add_argument("--games", nargs="+", choices=GAMES, default=list(PLAYED), help="the games played")
     parser.add_argument("--out", help="write the comparison to this JSON file")
     parser.add_argument("--record", nargs=3, metavar=("BACKEND", "PATH", "SEED"), help=argparse.SUPPRESS)

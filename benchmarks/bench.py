@@ -157,7 +157,8 @@ def write_json(path, args, configs, results):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--script", default="ppo_procgen.py", help="ppo_procgen.py, ppg_procgen.py or vtrace.py")
     parser.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                         help="a named flag set (repeatable); the first is the baseline of the ratios")

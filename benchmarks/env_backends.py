@@ -42,14 +42,15 @@ def measure(backend, game, num_envs, steps, threads):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--procgen-python", help="an interpreter with procgen-mirror installed")
     parser.add_argument("--envpool-python", help="an interpreter with envpool installed")
-    parser.add_argument("--games", nargs="+", default=["starpilot", "bigfish", "bossfight"])
+    parser.add_argument("--games", nargs="+", default=["starpilot", "bigfish", "bossfight"], help="games timed")
     parser.add_argument("--num-envs", type=int, default=64, help="the scripts' default --num-envs")
     parser.add_argument("--steps", type=int, default=400, help="vector steps per timing")
     parser.add_argument("--env-threads", type=int, default=1, help="the scripts' choice on a CPU (thread_split)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timings of each backend, alternated")
     parser.add_argument("--out", help="write the timings and their medians to this JSON file")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "GAME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

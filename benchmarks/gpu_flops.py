@@ -39,8 +39,10 @@ def update_work(module, flags):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--script", required=True, choices=["ppo_procgen.py", "ppg_procgen.py"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--script", required=True, choices=["ppo_procgen.py", "ppg_procgen.py"],
+                        help="the script whose agent is counted")
     parser.add_argument("--flags", action="append", default=[], help="one configuration's flags (repeatable)")
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)

@@ -136,10 +136,12 @@ def plot(results, tasks, lags, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="tasks to run")
     parser.add_argument("--lags", nargs="+", type=int, default=[0, 1, 4, 16, 64], help="policy lags k")
-    parser.add_argument("--corrections", nargs="+", default=["vtrace", "none"], choices=["vtrace", "none"])
+    parser.add_argument("--corrections", nargs="+", default=["vtrace", "none"], choices=["vtrace", "none"],
+                        help="off-policy corrections compared: V-trace's, or none")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="seeds of each configuration")
     parser.add_argument("--iterations", type=int, default=20, help="iterations of 10 updates of 16 x 8 steps per run")
     parser.add_argument("--out", default="benchmarks/results/lag_experiment.json", help="raw results (JSON)")

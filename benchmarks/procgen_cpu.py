@@ -364,7 +364,8 @@ def plot_figure(groups, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("runs", nargs="?", default=RUNS,
                         help="folder of run folders (default: %(default)s)")
     parser.add_argument("--figure", nargs="?", const=FIGURE, default=None, metavar="PNG",

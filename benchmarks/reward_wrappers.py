@@ -64,10 +64,11 @@ def microseconds_per_step(envs, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-envs", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--num-envs", type=int, default=64, help="games in the vector env")
     parser.add_argument("--steps", type=int, default=2000, help="vector steps per timing")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timings of each stack, alternated")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     rounds = {name: [] for name in STACKS}

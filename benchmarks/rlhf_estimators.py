@@ -379,4 +379,4 @@ def plot(results, path):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(EstimatorArgs))
+    main(tyro.cli(EstimatorArgs, description=__doc__.split("\n\n")[0]))

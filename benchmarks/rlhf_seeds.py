@@ -238,4 +238,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(SeedsArgs))
+    main(tyro.cli(SeedsArgs, description=__doc__.split("\n\n")[0]))

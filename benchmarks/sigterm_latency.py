@@ -57,8 +57,10 @@ def one_run(script, flags, at):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--script", required=True, choices=["ppo_procgen.py", "ppg_procgen.py", "vtrace.py"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--script", required=True, choices=["ppo_procgen.py", "ppg_procgen.py", "vtrace.py"],
+                        help="the script run at its defaults")
     parser.add_argument("--at", type=float, nargs="+", required=True, help="seconds after the start, one run each")
     parser.add_argument("--out", help="JSON under benchmarks/results/")
     parser.add_argument("--env-id", default="starpilot", help="the game; every other flag is the script's default")

@@ -98,9 +98,10 @@ def cpu_model():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--script", default="ppo_procgen.py", choices=sorted(QUICK_START))
+    parser.add_argument("--script", default="ppo_procgen.py", choices=sorted(QUICK_START),
+                        help="the script whose quick start is timed")
     cores = len(os.sched_getaffinity(0))
     parser.add_argument("--candidates", type=int, nargs="+", default=[0, *sorted({1, max(1, cores // 2), cores})],
                         help="--torch-threads values (0: the script's default)")

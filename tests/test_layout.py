@@ -75,7 +75,11 @@ def test_plumbing_lives_in_the_appendix_after_train(name):
     plumbing = (PLUMBING - STORY_NAMES.get(name, set())) & set(before)
     assert not plumbing, f"plumbing before train: {sorted(plumbing)}"
     main_guard = [number for number, line in enumerate(lines) if line.startswith("if __name__ ==")]
-    assert main_guard and main_guard[0] > lines.index(MARKER)
+    assert main_guard and main_guard[-1] > lines.index(MARKER)
+    # One guard may come before: Ctrl-C's default action while the third-party libraries load (no traceback).
+    for number in main_guard[:-1]:
+        guarded = lines[number + 1].split("#")[0].strip()
+        assert guarded == "signal.signal(signal.SIGINT, signal.SIG_DFL)", f"line {number + 1}: a second main guard"
 
 
 def changed_lines(first, second):
@@ -231,3 +235,45 @@ def test_no_function_takes_more_than_six_parameters(name):
             if len(parameters) + bool(node.args.vararg) > 6:
                 long.append(f"{node.name} ({len(parameters)})")
     assert not long, f"functions with more than 6 parameters: {long}"
+
+
+# ---- --help: what the program is, and every default ----
+HELP_PROGRAMS = ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.py"] + [
+    f"benchmarks/{name}.py" for name in (
+        "bench", "procgen_cpu", "lag_experiment", "rlhf_seeds", "rlhf_estimators", "reward_wrappers", "env_backends",
+        "backend_parity", "allreduce_cost", "amp_learning", "fault_campaign", "sigterm_latency", "gpu_flops",
+        "threads_at_load")]
+
+
+def help_of(program, monkeypatch, capsys):
+    """`python PROGRAM --help`'s text, run in this process as the interpreter would run it (runpy as __main__)."""
+    import runpy
+    import signal
+    import sys
+    path = os.path.join(ROOT, program)
+    monkeypatch.setattr(sys, "argv", [path, "--help"])
+    monkeypatch.setattr(sys, "path", [os.path.dirname(path), *sys.path])
+    monkeypatch.setenv("COLUMNS", "100")
+    sigint = signal.getsignal(signal.SIGINT)  # the scripts' own until their imports are done
+    try:
+        with pytest.raises(SystemExit) as ended:
+            runpy.run_path(path, run_name="__main__")
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert ended.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("program", HELP_PROGRAMS)
+def test_help_says_what_the_program_is_and_shows_every_default(program, monkeypatch, capsys):
+    """The docstring's first line near the top of --help (after the usage line), and each option's default."""
+    text = help_of(program, monkeypatch, capsys)
+    first_line = " ".join(ast.get_docstring(ast.parse(read(program))).splitlines()[0].split())
+    plain = " ".join(text.replace("│", " ").split())
+    usage_end = plain.index("options") if "options" in plain else len(plain)
+    assert first_line in plain[:usage_end], f"{program} --help does not begin with {first_line!r}"
+    options = re.split(r"\n(?:│ |  )(?=-)", text.split("options", 1)[1])  # at each option's own line
+    for option in options[1:]:
+        flag = option.split()[0]
+        if flag not in ("-h,", "--help"):
+            assert "(default:" in option or "(required)" in option, f"{program} --help: {flag} shows no default"
