@@ -21,7 +21,8 @@ PLUMBING = {"Run", "Logger", "ProcgenVecEnv", "FramesToDevice", "PROCGEN_RANGES"
             "log_iteration", "evaluate_and_log", "evaluate_checkpoint", "on_track_line", "close_run", "exit_nonfinite",
             "save_checkpoint", "load_checkpoint", "reward_statistics", "rank_state", "restore_rank_state", "require",
             "check_ranges", "check_args", "mean_or_none", "run_folder", "game_seed", "end_run", "last_saved",
-            "checkpoint_bytes", "Interrupted", "drop_rows_after", "write_atomically"}
+            "checkpoint_bytes", "Interrupted", "drop_rows_after", "write_atomically", "stop_in_startup", "hold_signal",
+            "restore_signal_handlers", "remove_if_empty"}
 # A name that is part of one script's story (the RLHF toy's evaluation stage) is not plumbing there.
 STORY_NAMES = {"ppo_rlhf_toy.py": {"evaluate"}}
 # What the diff of the PPO and PPG stories may not call (judged on the code's calls, not on substrings): logging,
