@@ -3,10 +3,11 @@
 Starts --load busy processes (each spins one core, as a compiler or a browser tab would), then runs
 --iterations iterations of a script's CPU quick start once per --torch-threads candidate, alternating
 the candidates (A, B, A, B, ...) --repeats times so that a change in the load hits them alike, and
-stops the load at the end. The iterations are the quick start's with 16 steps a rollout instead of
-64 and one minibatch instead of 4: the same 16 games a forward pass, the same 256-frame minibatches
-and the same epochs, so the same work a frame in a quarter of the time (a collapsed quick-start
-iteration takes minutes). Each iteration's steps/s is its frames over its seconds (the console
+stops the load at the end. By default the iterations are the quick start's with 16 steps a rollout
+instead of 64 and one minibatch instead of 4 (--num-steps 16): the same 16 games a forward pass, the
+same 256-frame minibatches and the same epochs, so the same work a frame in a quarter of the time (a
+collapsed quick-start iteration takes minutes); --num-steps 64 is the quick start itself. Each
+iteration's steps/s is its frames over its seconds (the console
 line's rollout + update); a run still inside an iteration after --cap seconds is stopped and counted
 at most frames / --cap. The JSON keeps every iteration, the 1-minute load average (os.getloadavg)
 at each run's end and the median steps/s of each candidate.
@@ -29,11 +30,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# README's CPU quick starts (16 games x 64 steps, 4 minibatches of 256 frames) with a quarter of the
-# rollout: 16 games x 16 steps = 256 frames an iteration, in one minibatch of 256 frames.
-QUICK_START = {"ppo_procgen.py": ["--num-envs", "16", "--num-steps", "16", "--num-minibatches", "1"],
-               "ppg_procgen.py": ["--num-envs", "16", "--num-steps", "16", "--num-minibatches", "1", "--n-pi", "4"]}
-FRAMES = 16 * 16
+# README's CPU quick starts: 16 games, minibatches of 256 frames (4 of them in 64 steps).
+QUICK_START = {"ppo_procgen.py": ["--num-envs", "16"], "ppg_procgen.py": ["--num-envs", "16", "--n-pi", "4"]}
+GAMES, MINIBATCH = 16, 256
 ITERATION_LINE = re.compile(r"^iter (\d+)/.*\(rollout ([\d.]+)s, env [\d.]+s, update ([\d.]+)s")
 
 
@@ -49,10 +48,12 @@ def start_load(count):
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
 
 
-def one_run(script, threads, iterations, cap):
+def one_run(script, threads, num_steps, iterations, cap):
     """The quick start with --torch-threads `threads` until it has logged `iterations` iterations or `cap` seconds
     have passed in one iteration; returns the steps/s of each iteration (a capped one as frames / cap)."""
-    flags = [*QUICK_START[script], "--total-timesteps", str(64 * FRAMES), "--eval-every", "0", "--eval-episodes", "1",
+    frames = GAMES * num_steps
+    flags = [*QUICK_START[script], "--num-steps", str(num_steps), "--num-minibatches", str(frames // MINIBATCH),
+             "--total-timesteps", str(64 * frames), "--eval-every", "0", "--eval-episodes", "1",
              "--torch-threads", str(threads)]
     with tempfile.TemporaryDirectory() as workdir:
         process = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, script), *flags], cwd=workdir,
@@ -81,9 +82,9 @@ def one_run(script, threads, iterations, cap):
         match = ITERATION_LINE.match(line)
         if match:
             seconds = float(match.group(2)) + float(match.group(3))
-            per_iteration.append(round(FRAMES / seconds, 1))
+            per_iteration.append(round(frames / seconds, 1))
     if capped:
-        per_iteration.append(round(FRAMES / cap, 1))  # at most: the iteration had not ended after `cap` seconds
+        per_iteration.append(round(frames / cap, 1))  # at most: the iteration had not ended after `cap` seconds
     if not per_iteration:
         raise SystemExit(f"error: {script} --torch-threads {threads} logged no iteration:\n" + "\n".join(lines[-20:]))
     return {"torch_threads": threads, "steps_per_s": per_iteration, "capped": capped, "load_1min": round(load, 2)}
@@ -106,6 +107,8 @@ def main(argv=None):
     parser.add_argument("--candidates", type=int, nargs="+", default=[0, *sorted({1, max(1, cores // 2), cores})],
                         help="--torch-threads values (0: the script's default)")
     parser.add_argument("--load", type=int, default=4, help="busy background processes during the runs")
+    parser.add_argument("--num-steps", type=int, default=16, choices=[16, 32, 64],
+                        help="steps of each game a rollout (64: the quick start itself)")
     parser.add_argument("--iterations", type=int, default=3, help="iterations timed in each run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each candidate, alternated")
     parser.add_argument("--cap", type=float, default=60.0, help="seconds after which an iteration is cut short")
@@ -117,7 +120,7 @@ def main(argv=None):
         time.sleep(5 if options.load else 0)  # the load is running before the first run starts
         for repeat in range(options.repeats):
             for threads in options.candidates:
-                runs.append(one_run(options.script, threads, options.iterations, options.cap))
+                runs.append(one_run(options.script, threads, options.num_steps, options.iterations, options.cap))
                 print(json.dumps(runs[-1]), flush=True)
     finally:
         for process in load:
