@@ -87,6 +87,10 @@ def run_tests(folder, tests, timeout, running=None):
         os.killpg(process.pid, signal.SIGKILL)  # the tests' own children too (a forked server, torchrun)
         output, _ = process.communicate()
         return None, output
+    except BaseException:  # Ctrl-C: the tests run in their own session, which no terminal signal reaches
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
     finally:
         if running is not None:
             running.discard(process)
@@ -205,7 +209,7 @@ def main():
     if args.jobs < 1:
         raise SystemExit(f"error: --jobs {args.jobs} must be >= 1")
 
-    start = time.perf_counter()
+    start, load = time.perf_counter(), [round(value, 2) for value in os.getloadavg()]
     running = set()  # the live pytest processes, killed on Ctrl-C
     stopping = threading.Event()
     snapshot_folder = tempfile.mkdtemp(prefix="mutant-snapshot-")
@@ -235,12 +239,14 @@ def main():
                     records[record["id"]] = record
                     print(f"{record['id']:<{width}} {record['status']:<10} {record['seconds']:>7.1f}  "
                           f"{record['caught_by'] or ''}", flush=True)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # the workers' tests are killed here, before the pool waits for them
                 stopping.set()
                 for process in list(running):
                     with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
                         os.killpg(process.pid, signal.SIGKILL)
-                raise SystemExit("interrupted: no result file written")
+                raise
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: no result file written") from None
     finally:
         shutil.rmtree(snapshot_folder, ignore_errors=True)
 
@@ -251,6 +257,7 @@ def main():
           f" of {len(ordered)} mutants, {wall / 60:.1f} min")
     command = "python benchmarks/mutate.py" + "".join(f" {arg}" for arg in sys.argv[1:])
     result = {"command": command, "date": time.strftime("%Y-%m-%d"), "hardware": hardware(), **versions(),
+              "load_average_at_start": load,  # 1, 5 and 15 minutes: other jobs stretch the wall time
               "jobs": args.jobs, "baseline_seconds": baseline_seconds, "wall_seconds": round(wall, 1),
               "totals": totals, "mutants": ordered}
     write_json(args.out, result)
