@@ -882,7 +882,7 @@ def cited_numbers():
     rm = seeds["rm"]
     return [
         ("docs/speed.md", f"the actor plays {min(play):.1f}-{max(play):.1f} s and waits {min(wait):.1f}-"
-                          f"{max(wait):.1f} s of each iteration (the 7 rounds of the current design in "
+                          f"{max(wait):.1f} s of each iteration (the 7 rounds of the one-actor design in "
                           "`benchmarks/results/cpu_vtrace_ab.json`)"),
         ("docs/ppg.md", policy_iteration),
         ("docs/reliability.md", policy_iteration),
