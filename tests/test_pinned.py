@@ -359,7 +359,7 @@ def test_learner_gradient_is_the_vtrace_loss_of_the_double_sum():
                                    msg=lambda text: f"{name}: {text}")
 
 
-# ---------------------------------------------------------------- PPG's buffer B
+# ---------------------------------------------------------------- V_targ = A + V: PPO's batch, PPG's buffer B
 class RecordedGames(gym.vector.VectorWrapper):
     """The training games as the agent sees them: the first frames, then each step's frames,
     (normalized) rewards and episode ends."""
@@ -400,6 +400,66 @@ def naive_gae(rewards, values, ends, bootstrap, gamma, lam):
             weight *= gamma * lam
         advantages.append(total)
     return advantages
+
+
+def test_ppo_update_gets_each_rollouts_frames_with_returns_a_plus_v(in_tmp, monkeypatch):
+    """PPO's value target, the return that L^VF regresses on, is V_targ = A + V of the rollout: in
+    the batch that `train` hands `ppo_update`, every step of every game holds the frame it played,
+    the value the agent computed while playing it, and that value plus a naive GAE sum over the
+    (normalized) rewards the agent saw and the values of the rollout (gamma and lambda away from
+    the defaults, episodes ending inside the rollout), at each of two iterations."""
+    monkeypatch.setattr(ppo, "ProcgenVecEnv",
+                        lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
+    games, forwards, updates = [], [], []
+
+    def recorded_env(args, num_envs):
+        games.append(RecordedGames(make_env(args, num_envs)))
+        return games[-1]
+
+    class RecordedAgent(ppo.Agent):
+        def forward(self, obs):  # the rollout's and the bootstrap's passes run without gradient
+            logits, value = super().forward(obs)
+            if not torch.is_grad_enabled():
+                forwards.append((obs.clone(), value.clone()))
+            return logits, value
+
+    def recorded_update(agent, optimizer, batch, *rest):
+        updates.append(({key: value.clone() for key, value in batch.items()}, len(forwards)))
+        return ppo_update(agent, optimizer, batch, *rest)
+
+    make_env, ppo_update = ppo.make_env, ppo.ppo_update
+    monkeypatch.setattr(ppo, "make_env", recorded_env)
+    monkeypatch.setattr(ppo, "Agent", RecordedAgent)
+    monkeypatch.setattr(ppo, "ppo_update", recorded_update)
+    num_envs, T, iterations = 4, 6, 2
+    args = ppo.Args(env_id="coinrun", total_timesteps=iterations * num_envs * T, num_envs=num_envs,
+                    num_steps=T, num_minibatches=2, update_epochs=1, channels=(4,), hidden_size=16,
+                    eval_every=0, eval_episodes=2, gamma=0.9, gae_lambda=0.8, torch_threads=1)
+    train_in(in_tmp, ppo, args)
+
+    (recorded,) = games
+    assert len(updates) == iterations
+    for iteration, (batch, forwards_before) in enumerate(updates):
+        passes = forwards[forwards_before - (T + 1): forwards_before]  # T steps, then V(s_T)
+        steps = range(iteration * T, (iteration + 1) * T)
+        frames = np.stack([recorded.frames[step] for step in steps])  # [T, games, ...]
+        assert all(np.array_equal(obs.numpy(), frames[t]) for t, (obs, _) in enumerate(passes[:-1]))
+        values = torch.stack([value for _, value in passes]).double()  # [T + 1, games]
+        targets = torch.zeros(T, num_envs, dtype=torch.float64)
+        for game in range(num_envs):
+            rewards = [recorded.rewards[step][game] for step in steps]
+            ends = [bool(recorded.ends[step][game]) for step in steps]
+            assert any(ends)  # episodes end inside the rollout: the sum must stop there
+            advantages = naive_gae(rewards, values[:T, game].tolist(), ends, values[T, game].item(),
+                                   0.9, 0.8)
+            targets[:, game] = torch.tensor(advantages, dtype=torch.float64) + values[:T, game]
+        # The batch is the rollout flattened step by step: row t * num_envs + game.
+        assert np.array_equal(batch["obs"].view(T, num_envs, 64, 64, 3).numpy(), frames)
+        played_values = batch["values"].view(T, num_envs).double()
+        torch.testing.assert_close(played_values, values[:T], rtol=0, atol=1e-6)
+        assert values[:T].abs().min() > 1e-3  # targets without V would miss by 100x the tolerance
+        returns = batch["returns"].view(T, num_envs).double()
+        torch.testing.assert_close(returns, targets, rtol=1e-5, atol=1e-5)
 
 
 def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkeypatch):

@@ -1,10 +1,10 @@
 """Exact tests that pin ppo_rlhf_toy.py's pieces to their definitions, written independently of the
 script: the best-of-n baseline by brute force over every subset of its pool, the RL update's whole
 loss (InstructGPT Eq. 2 with PPO's clipped surrogate and value loss) by one plain SGD step, what the
-rollout hands to the update (per-token rewards, values aligned with the tokens they predict, GAE),
-the learning-rate schedule, and the preference labels (the labeller's choice first, in the pairs and
-in the reward model's loss). A one-line slip in any of them changes a number here far beyond the
-tolerance."""
+rollout hands to the update (per-token rewards with the KL estimate that --kl-estimator names,
+values aligned with the tokens they predict, GAE), the learning-rate schedule, and the preference
+labels (the labeller's choice first, in the pairs and in the reward model's loss). A one-line slip
+in any of them changes a number here far beyond the tolerance."""
 import copy
 import dataclasses
 import itertools
@@ -130,6 +130,34 @@ def test_rollout_hands_the_update_instructgpts_rewards_and_gae_on_aligned_tokens
         assert batch["values"][row, t].item() == pytest.approx(values[row, t], abs=1e-5)
         assert batch["returns"][row, t].item() == pytest.approx(returns[row, t], abs=1e-4)
         assert batch["advantages"][row, t].item() == pytest.approx((advantage - mean) / std, abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_rollout_rewards_penalise_the_kl_estimate_that_the_flag_names(estimator):
+    """--kl-estimator picks the per-token KL(pi || pi_ref) that the reward penalises (Schulman,
+    "Approximating KL"), token by token in float64 from passes on each prefix alone: k1 = log p -
+    log q, k3 = q / p - 1 - log(q / p), p = pi(y_t | x, y_<t), q = pi_ref(y_t | x, y_<t); the
+    reward -beta KL_t on every response token, plus the score on the last. On these untrained
+    models the two estimates differ by far more than the tolerance."""
+    args, rl, scores = tiny_models(seed=3)
+    args = dataclasses.replace(args, kl_estimator=estimator)
+    queries = M.random_prompts(args.rollout_batch_size, "cpu")
+    batch = M.collect_rollout(rl, queries, args.beta, args)
+    gaps = []
+    with torch.no_grad():
+        for row, length in enumerate(response_lengths(batch["responses"])):
+            for t in range(length):
+                prefix = torch.cat([queries[row], batch["responses"][row, :t]])[None]
+                token = batch["responses"][row, t]
+                p = torch.softmax(rl.policy(prefix)[0, -1].double() / args.temperature, -1)[token].item()
+                q = torch.softmax(rl.ref_policy(prefix)[0, -1].double() / args.temperature, -1)[token].item()
+                k1, k3 = math.log(p) - math.log(q), q / p - 1 - math.log(q / p)
+                kl = k1 if estimator == "k1" else k3
+                reward = -args.beta * kl + (scores[row].item() if t == length - 1 else 0.0)
+                assert batch["kl"][row, t].item() == pytest.approx(kl, abs=1e-5)
+                assert batch["rewards"][row, t].item() == pytest.approx(reward, abs=1e-5)
+                gaps.append(abs(k1 - k3))
+    assert max(gaps) > 0.1  # the other estimator would be seen at once
 
 
 def test_update_takes_the_sgd_step_of_the_clipped_surrogate_plus_the_value_loss():
