@@ -19,11 +19,15 @@ import os
 import pickle
 import random
 import secrets
+import shutil
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds on a busy machine): no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends, as on SIGTERM; nothing exists yet
 
 import gymnasium as gym
 import numpy as np
@@ -120,7 +124,8 @@ class Args:
     """the games' implementation, both built from Procgen 0.10.7's C++ code: procgen-mirror (the official
     package; CPython 3.11/3.12 on Linux x86-64) or EnvPool (elsewhere); auto: the one installed"""
     num_envs: int = 64
-    """parallel game instances (one procgen vector env)"""
+    """games played at once, over all ranks; each rank plays its share in two pools of equal size
+    (one pool where the share is odd)"""
     # The run: seed and length; evaluation; logs; checkpoints; speed
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the experiment's name, part of the run's name"""
@@ -131,8 +136,7 @@ class Args:
     torch_deterministic: bool = True
     """make cuDNN pick deterministic algorithms: a GPU run is then bit-reproducible, at the cost
     of cuDNN's autotuner, which --no-torch-deterministic turns on (it times the convolution
-    algorithms for these shapes and keeps the fastest; its gain on a GPU is not measured yet).
-    No effect on a CPU"""
+    algorithms for these shapes and keeps the fastest). No effect on a CPU"""
     cuda: bool = True
     """use the GPU when one is available"""
     eval_every: int = 100
@@ -164,7 +168,8 @@ class Args:
     """procgen worker threads, split between the two pools of games where --num-envs is even (0: one
     on a CPU, the cores on a GPU: see `start_run`; each pool has at least one)"""
     torch_threads: int = 0
-    """torch CPU threads (0: the cores on a CPU, one on a GPU)"""
+    """torch CPU threads (0: one on a GPU; on a CPU half the cores, at least one, not torch's default of
+    all: a team of threads waits for its slowest member, and on a busy machine all-core teams collapse)"""
     overlap_games: bool = False
     """step half of the games in their threads while the network computes the other half's actions
     (needs an even number of games per rank; the same games and, for the same actions, the same
@@ -173,8 +178,8 @@ class Args:
     """on CUDA, capture each rollout step's network, sampling and log-probability as one CUDA graph
     and replay it: one launch where eager PyTorch pays host time for each of its kernels. The graph
     replays the eager step's kernels on fixed tensors and the same random numbers (with --compile,
-    all but the captured step runs compiled); off by default until a GPU has shown its rollouts equal
-    to the eager ones bit for bit (docs/speed.md). Without CUDA it does nothing"""
+    all but the captured step runs compiled); off by default: docs/speed.md says where its rollouts
+    are shown equal to the eager ones bit for bit. Without CUDA it does nothing"""
     channels_last: bool = True
     """NHWC memory layout for the convolutions (faster on GPUs and on CPUs)"""
     compile: bool = False
@@ -183,7 +188,7 @@ class Args:
     """bfloat16 autocast of the forward passes, losses in float32 (off, as in the papers)"""
     amp_rollout: bool = True
     """with --amp, the rollout's forward passes in bfloat16 too; --no-amp-rollout keeps them in
-    float32, bfloat16 for the optimization alone (on one H200 --amp made the rollout slower: docs/speed.md)"""
+    float32, bfloat16 for the optimization alone (docs/speed.md: which is faster where)"""
     aux_buffer: Literal["auto", "cuda", "cpu"] = "auto"
     """where B lives: on the GPU when it fits ('auto': in half its free memory), else in host memory"""
     n_aux_grad_accum: int = 1
@@ -736,6 +741,7 @@ def evaluate_checkpoint(run, agent, envs):
     """--eval-only: the checkpoint's agent, one row and one line; then the run is closed."""
     evaluate_and_log(run, agent, run.checkpoint["iteration"], run.checkpoint["global_step"])
     close_run(run, (envs,))
+    restore_signal_handlers(run)
     return run.dir
 
 
@@ -1007,6 +1013,7 @@ class Run:
     recent_returns: collections.deque = field(default_factory=functools.partial(collections.deque, maxlen=100))
     last_whole: Optional[tuple] = None  # (iteration, checkpoint bytes): what a stop saves
     saved: Optional[tuple] = None  # (iteration, path) of the last checkpoint on disk
+    signal_handlers: dict = field(default_factory=dict)  # SIGINT's and SIGTERM's before the run, restored after it
 
 
 def start_run(args):
@@ -1027,18 +1034,37 @@ def start_run(args):
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # faster, not reproducible
-    # The games step while the network waits and vice versa. On a CPU the network dominates and
-    # torch gets the cores (2 threads ran PPO 1.6-1.9x faster than 1 on 2 cores), the games one
-    # thread; on a GPU the games get the cores. One machine's ranks share its cores.
+    # The games step while the network waits and vice versa. On a CPU the network dominates: torch
+    # gets half the cores, the games one thread. Not all the cores: a team of torch threads waits for
+    # its slowest member, so when other programs keep the cores busy a team as large as the machine
+    # is preempted at every operation (on 2 cores, 2 threads ran PPO 1.6-1.9x faster than 1 when
+    # idle, several times slower under load: docs/speed.md). On a GPU the games get the cores. One
+    # machine's ranks share its cores.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     on_gpu = device.type == "cuda"
     args.env_threads = args.env_threads or (min(cores, args.num_envs) if on_gpu else 1)
-    torch.set_num_threads(args.torch_threads or (1 if on_gpu else cores))
-    name, directory = run_folder(args, checkpoint, rank)
-    logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    torch.set_num_threads(args.torch_threads or (1 if on_gpu else max(1, cores // 2)))
+    # From its folder to the training loop's StopOnSignal a signal ends the run at once: nothing is
+    # saved yet (`stop_in_startup`). One that comes while the folder and the log are made waits for them.
+    held = []
+    handlers = {signum: signal.signal(signum, functools.partial(hold_signal, held))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        name, directory = run_folder(args, checkpoint, rank)
+        logger = Logger(args, name, directory, rank, checkpoint["iteration"] if args.resume else None)
+    except BaseException:  # e.g. an unwritable runs/: the handlers of before, and the error
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        raise
     saved = (checkpoint["iteration"], args.resume) if args.resume else None
-    return Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved)
+    run = Run(args, name, directory, device, rank, world_size, logger, checkpoint, saved=saved,
+              signal_handlers=handlers)
+    for signum in handlers:
+        signal.signal(signum, functools.partial(stop_in_startup, run=run))
+    if held:
+        stop_in_startup(held[0], None, run)
+    return run
 
 
 def run_folder(args, checkpoint, rank):
@@ -1155,7 +1181,8 @@ class StopOnSignal:
         self.run, self.closing, self.signum, self.first_time = run, closing, None, 0.0
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        for signum in self.run.signal_handlers:  # in place of start-up's `stop_in_startup`
+            signal.signal(signum, self.handler)
         return self
 
     def handler(self, signum, frame):
@@ -1183,13 +1210,36 @@ class StopOnSignal:
             save_checkpoint(self.run, final=last)
 
     def __exit__(self, kind, error, traceback):
-        for signum in self.previous:  # the run is ending: no further signal cuts its checkpoint's write
+        for signum in self.run.signal_handlers:  # the run is ending: no further signal cuts its checkpoint's write
             signal.signal(signum, signal.SIG_IGN)
         try:
             end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
         finally:
-            for signum, handler in self.previous.items():
-                signal.signal(signum, handler)
+            restore_signal_handlers(self.run)
+
+
+def stop_in_startup(signum, frame, run):
+    """A signal between the run's folder and its training loop (the games, the network, the buffers):
+    nothing is saved yet, so the run ends at once with one line and exit 128 + signal, and a new run
+    leaves no folder behind (`remove_if_empty`)."""
+    for handled in run.signal_handlers:  # no second signal cuts the clean-up short
+        signal.signal(handled, signal.SIG_IGN)
+    try:
+        close_run(run, closing=())  # the games made so far close as the process ends
+        remove_if_empty(run)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: nothing new to save; {last_saved(run)}", flush=True)
+    finally:
+        restore_signal_handlers(run)
+    raise SystemExit(128 + signum)
+
+
+def hold_signal(held, signum, frame):
+    held.append(signum)
+
+
+def restore_signal_handlers(run):
+    for signum, handler in run.signal_handlers.items():
+        signal.signal(signum, handler)
 
 
 def end_run(run, closing, error, signum):
@@ -1199,6 +1249,8 @@ def end_run(run, closing, error, signum):
     weights was not taken)."""
     close_run(run, closing)  # IMPALA's actor first: it plays no further while the checkpoint is written
     saved_now = isinstance(error, Interrupted) and run.last_whole is not None and save_checkpoint(run, final=False)
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        remove_if_empty(run)
     name = signal.Signals(signum).name
     if isinstance(error, Interrupted) and saved_now:
         print(f"interrupted by {name}: saved iteration {run.saved[0]} to {run.saved[1]}; continue with --resume")
@@ -1210,6 +1262,15 @@ def end_run(run, closing, error, signum):
         raise SystemExit(f"error: {error}; {last_saved(run)} (a lower --learning-rate may avoid it)") from None
     if isinstance(error, (Interrupted, KeyboardInterrupt)):
         raise SystemExit(128 + signum) from None
+
+
+def remove_if_empty(run):
+    """A run stopped before its first row and checkpoint: its folder holds only its flags and empty
+    logs, so it goes (a resumed run has its checkpoint: its folder stays)."""
+    metrics = os.path.join(run.dir, "metrics.jsonl")
+    empty = not os.path.exists(metrics) or os.path.getsize(metrics) == 0
+    if run.rank == 0 and run.saved is None and empty:
+        shutil.rmtree(run.dir, ignore_errors=True)
 
 
 def last_saved(run):
@@ -1519,10 +1580,11 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (docs/speed.md).
-CPU_NOTE = ("note: training on the CPU. On a 2-core CPU a phase at the defaults takes 4.7 hours (31 steps/s). 6 minutes: "
-            "python ppg_procgen.py --num-envs 16 --num-steps 64 --num-minibatches 4 --n-pi 4 --total-timesteps 16384")
+# on 2-core VMs (docs/speed.md).
+CPU_NOTE = ("note: training on the CPU. On a 2-core CPU a phase at the defaults takes 4.7 hours (31 steps/s, with "
+            "--torch-threads 2). 6 minutes with --torch-threads 2 on an idle 2-core CPU: python ppg_procgen.py "
+            "--num-envs 16 --num-steps 64 --num-minibatches 4 --n-pi 4 --total-timesteps 16384")
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    train(tyro.cli(Args, description=__doc__.split("\n\n")[0]))

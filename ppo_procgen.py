@@ -1407,7 +1407,7 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (docs/speed.md).
+# on 2-core VMs (docs/speed.md).
 CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at 147 steps/s with --torch-threads 2: 25M "
             "steps take 2 days (the default, half the cores, is slower on an idle CPU and steady when other programs "
             "keep the cores busy). A run of minutes: python ppo_procgen.py --num-envs 16 --num-steps 64 "

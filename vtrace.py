@@ -1419,7 +1419,7 @@ def check_args(args):
 
 
 # Printed when a long run starts on a CPU: what it costs there and a run of minutes, both measured
-# on this project's 2-core VMs (docs/speed.md).
+# on 2-core VMs (docs/speed.md).
 CPU_NOTE = ("note: training on the CPU. On a 2-core CPU the defaults ran at about 290 steps/s: 25M steps take a day. A "
             "run that finishes in about 4 minutes there: python vtrace.py --total-timesteps 64000.")
 

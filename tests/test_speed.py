@@ -14,6 +14,7 @@ import ppo_procgen as ppo
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench  # noqa: E402
+import gpu_check  # noqa: E402
 
 
 def losses(run_dir):
@@ -106,7 +107,8 @@ def test_gpu_bench_dry_run_flags_parse():
     """The GPU check runs only on a CUDA machine: its every command's flags must parse here first."""
     _, parsed = parsed_commands("")
     assert {script for script, _ in parsed} == {"ppo_procgen.py", "ppg_procgen.py", "vtrace.py"}
-    assert len(parsed) == 1 + 1 + 4 + 2 + 2 + 1, parsed  # ppo-speed, ppg, ppo-fast, impala, learning (2 games), NCCL
+    # ppo-flags (each configuration), ppo-speed, ppg, impala, learning (2 games), NCCL
+    assert len(parsed) == len(gpu_check.PPO_FLAGS) + 1 + 1 + 2 + 2 + 1, parsed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_bench.sh)")
