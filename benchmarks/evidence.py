@@ -191,7 +191,7 @@ def markdown(rows):
 def parse(argv=None):
     """The flags, checked: a bad one ends here with one line, before any run starts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="runs/evidence", help="the runs, evidence.md and _results/ go here")
     parser.add_argument("--games", nargs="+", default=["starpilot", "bigfish"],
                         help="Procgen games (the official runs separate at 8M on StarPilot and BigFish)")

@@ -655,7 +655,8 @@ def listing(steps, settings):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu"),
                         help="the results folder")
     parser.add_argument("--work", default=None, help="a private folder for everything else (default: a new one)")

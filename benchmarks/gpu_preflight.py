@@ -160,7 +160,8 @@ def check_machine(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--json", default=None, help="also write the report here as JSON")
     args = parser.parse_args(argv)
     start = time.time()

@@ -180,7 +180,7 @@ def print_report(report):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("commands", nargs="+", metavar="COMMAND",
                         help='a script of this repository with its flags, quoted: "ppo_procgen.py --env-id starpilot"')
     parser.add_argument("--out", default="runs/side_by_side", help="the runs' folders and launch.json go here")

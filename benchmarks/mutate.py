@@ -186,7 +186,8 @@ def write_json(path, data):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutants (ids of the catalogue)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at the same time, each in one process")

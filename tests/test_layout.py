@@ -243,7 +243,7 @@ HELP_PROGRAMS = ["ppo_procgen.py", "ppg_procgen.py", "vtrace.py", "ppo_rlhf_toy.
     f"benchmarks/{name}.py" for name in (
         "bench", "procgen_cpu", "lag_experiment", "rlhf_seeds", "rlhf_estimators", "reward_wrappers", "env_backends",
         "backend_parity", "allreduce_cost", "amp_learning", "fault_campaign", "sigterm_latency", "gpu_flops",
-        "threads_at_load")]
+        "threads_at_load", "evidence", "launch", "results", "gpu_check", "gpu_preflight", "mutate")]
 
 
 def help_of(program, monkeypatch, capsys):
