@@ -59,7 +59,7 @@ class Args:
     """minibatches per epoch; must divide num_envs * num_steps"""
     n_pi: int = 32
     """N_pi: policy iterations per phase, before an auxiliary one (phases count from iteration 1).
-    With auxiliary phases a run resumes only at a phase's end, where B is empty: --save-every is
+    With auxiliary phases a run resumes only at a phase's end, where B is empty: --save-every must be
     a multiple of N_pi, and a cut loses up to N_pi iterations (32 x 64 x 256 = 524,288 steps)"""
     e_pi: int = 1
     """E_pi: epochs of the policy loss over each rollout"""
