@@ -402,34 +402,60 @@ def naive_gae(rewards, values, ends, bootstrap, gamma, lam):
     return advantages
 
 
+def record_play(script, monkeypatch):
+    """Play CueEnv games of 4-step episodes in `script`'s train(), recording the games (RecordedGames)
+    and every no-gradient pass of the agent: the rollout's steps and the bootstrap V(s_T)."""
+    monkeypatch.setattr(script, "ProcgenVecEnv", lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
+    games, forwards = [], []
+    make_env = script.make_env
+
+    def recorded_env(args, num_envs):
+        games.append(RecordedGames(make_env(args, num_envs)))
+        return games[-1]
+
+    class RecordedAgent(script.Agent):
+        def forward(self, obs):
+            logits, value = super().forward(obs)
+            if not torch.is_grad_enabled():
+                forwards.append((obs.clone(), value.clone()))
+            return logits, value
+
+    monkeypatch.setattr(script, "make_env", recorded_env)
+    monkeypatch.setattr(script, "Agent", RecordedAgent)
+    return games, forwards
+
+
+def played_rollout(recorded, passes, iteration, T, gamma, lam):
+    """One iteration's rollout as it was played: its frames [T, games, 64, 64, 3], the values the agent
+    computed while playing [T, games], and V_targ = A + V [T, games] by a naive GAE sum (float64)."""
+    steps = range(iteration * T, (iteration + 1) * T)
+    frames = np.stack([recorded.frames[step] for step in steps])
+    assert all(np.array_equal(obs.numpy(), frames[t]) for t, (obs, _) in enumerate(passes[:-1]))
+    values = torch.stack([value for _, value in passes]).double()  # [T + 1, games]: V(s_0) .. V(s_T)
+    targets = torch.zeros(T, values.shape[1], dtype=torch.float64)
+    for game in range(values.shape[1]):
+        rewards = [recorded.rewards[step][game] for step in steps]
+        ends = [bool(recorded.ends[step][game]) for step in steps]
+        assert any(ends)  # episodes end inside the rollout: the sum must stop there
+        advantages = naive_gae(rewards, values[:T, game].tolist(), ends, values[T, game].item(), gamma, lam)
+        targets[:, game] = torch.tensor(advantages, dtype=torch.float64) + values[:T, game]
+    return frames, values[:T], targets
+
+
 def test_ppo_update_gets_each_rollouts_frames_with_returns_a_plus_v(in_tmp, monkeypatch):
     """PPO's value target, the return that L^VF regresses on, is V_targ = A + V of the rollout: in
     the batch that `train` hands `ppo_update`, every step of every game holds the frame it played,
     the value the agent computed while playing it, and that value plus a naive GAE sum over the
     (normalized) rewards the agent saw and the values of the rollout (gamma and lambda away from
     the defaults, episodes ending inside the rollout), at each of two iterations."""
-    monkeypatch.setattr(ppo, "ProcgenVecEnv",
-                        lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
-    games, forwards, updates = [], [], []
-
-    def recorded_env(args, num_envs):
-        games.append(RecordedGames(make_env(args, num_envs)))
-        return games[-1]
-
-    class RecordedAgent(ppo.Agent):
-        def forward(self, obs):  # the rollout's and the bootstrap's passes run without gradient
-            logits, value = super().forward(obs)
-            if not torch.is_grad_enabled():
-                forwards.append((obs.clone(), value.clone()))
-            return logits, value
+    games, forwards = record_play(ppo, monkeypatch)
+    updates = []
 
     def recorded_update(agent, optimizer, batch, *rest):
         updates.append(({key: value.clone() for key, value in batch.items()}, len(forwards)))
         return ppo_update(agent, optimizer, batch, *rest)
 
-    make_env, ppo_update = ppo.make_env, ppo.ppo_update
-    monkeypatch.setattr(ppo, "make_env", recorded_env)
-    monkeypatch.setattr(ppo, "Agent", RecordedAgent)
+    ppo_update = ppo.ppo_update
     monkeypatch.setattr(ppo, "ppo_update", recorded_update)
     num_envs, T, iterations = 4, 6, 2
     args = ppo.Args(env_id="coinrun", total_timesteps=iterations * num_envs * T, num_envs=num_envs,
@@ -441,23 +467,12 @@ def test_ppo_update_gets_each_rollouts_frames_with_returns_a_plus_v(in_tmp, monk
     assert len(updates) == iterations
     for iteration, (batch, forwards_before) in enumerate(updates):
         passes = forwards[forwards_before - (T + 1): forwards_before]  # T steps, then V(s_T)
-        steps = range(iteration * T, (iteration + 1) * T)
-        frames = np.stack([recorded.frames[step] for step in steps])  # [T, games, ...]
-        assert all(np.array_equal(obs.numpy(), frames[t]) for t, (obs, _) in enumerate(passes[:-1]))
-        values = torch.stack([value for _, value in passes]).double()  # [T + 1, games]
-        targets = torch.zeros(T, num_envs, dtype=torch.float64)
-        for game in range(num_envs):
-            rewards = [recorded.rewards[step][game] for step in steps]
-            ends = [bool(recorded.ends[step][game]) for step in steps]
-            assert any(ends)  # episodes end inside the rollout: the sum must stop there
-            advantages = naive_gae(rewards, values[:T, game].tolist(), ends, values[T, game].item(),
-                                   0.9, 0.8)
-            targets[:, game] = torch.tensor(advantages, dtype=torch.float64) + values[:T, game]
+        frames, values, targets = played_rollout(recorded, passes, iteration, T, 0.9, 0.8)
         # The batch is the rollout flattened step by step: row t * num_envs + game.
         assert np.array_equal(batch["obs"].view(T, num_envs, 64, 64, 3).numpy(), frames)
         played_values = batch["values"].view(T, num_envs).double()
-        torch.testing.assert_close(played_values, values[:T], rtol=0, atol=1e-6)
-        assert values[:T].abs().min() > 1e-3  # targets without V would miss by 100x the tolerance
+        torch.testing.assert_close(played_values, values, rtol=0, atol=1e-6)
+        assert values.abs().min() > 1e-3  # targets without V would miss by 100x the tolerance
         returns = batch["returns"].view(T, num_envs).double()
         torch.testing.assert_close(returns, targets, rtol=1e-5, atol=1e-5)
 
@@ -467,27 +482,14 @@ def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkey
     s_t. Every game's whole rollout of the phase's iterations enters B once, frames exactly, targets
     equal to a naive GAE sum over the rewards the agent saw plus the values it computed while
     playing (gamma and lambda away from the defaults)."""
-    monkeypatch.setattr(ppg, "ProcgenVecEnv", lambda num_envs, *args, **options: CueEnv(num_envs, length=4))
-    games, forwards, phases = [], [], []
-
-    def recorded_env(args, num_envs):
-        games.append(RecordedGames(make_env(args, num_envs)))
-        return games[-1]
-
-    class RecordedAgent(ppg.Agent):
-        def forward(self, obs):  # the rollout's and the bootstrap's passes run without gradient
-            logits, value = super().forward(obs)
-            if not torch.is_grad_enabled():
-                forwards.append((obs.clone(), value.clone()))
-            return logits, value
+    games, forwards = record_play(ppg, monkeypatch)
+    phases = []
 
     def recorded_phase(forward_aux, optimizer, aux_obs, aux_value_targets, *rest):
         phases.append((aux_obs.clone(), aux_value_targets.clone(), len(forwards)))
         return auxiliary_phase(forward_aux, optimizer, aux_obs, aux_value_targets, *rest)
 
-    make_env, auxiliary_phase = ppg.make_env, ppg.auxiliary_phase
-    monkeypatch.setattr(ppg, "make_env", recorded_env)
-    monkeypatch.setattr(ppg, "Agent", RecordedAgent)
+    auxiliary_phase = ppg.auxiliary_phase
     monkeypatch.setattr(ppg, "auxiliary_phase", recorded_phase)
     num_envs, T, n_pi = 4, 6, 2
     args = ppg.Args(env_id="coinrun", total_timesteps=3 * num_envs * T, num_envs=num_envs, num_steps=T,
@@ -500,18 +502,9 @@ def test_buffer_b_holds_each_rollouts_frames_with_v_targ_a_plus_v(in_tmp, monkey
     (recorded,) = games
     rollouts = []  # every (iteration, game): its frames [T, 64, 64, 3] and V_targ [T]
     for iteration in range(n_pi):
-        steps = range(iteration * T, (iteration + 1) * T)
         passes = forwards[iteration * (T + 1): (iteration + 1) * (T + 1)]
-        frames = np.stack([recorded.frames[step] for step in steps])  # [T, games, ...]
-        assert all(np.array_equal(obs.numpy(), frames[t]) for t, (obs, _) in enumerate(passes[:-1]))
-        values = torch.stack([value for _, value in passes]).double()  # [T + 1, games]: V(s_0) .. V(s_T)
-        for game in range(num_envs):
-            rewards = [recorded.rewards[step][game] for step in steps]
-            ends = [bool(recorded.ends[step][game]) for step in steps]
-            assert any(ends)  # episodes end inside the rollout: the sum must stop there
-            advantages = naive_gae(rewards, values[:T, game].tolist(), ends, values[T, game].item(), 0.9, 0.8)
-            targets = torch.tensor(advantages, dtype=torch.float64) + values[:T, game]
-            rollouts.append((frames[:, game], targets))
+        frames, _, targets = played_rollout(recorded, passes, iteration, T, 0.9, 0.8)
+        rollouts += [(frames[:, game], targets[:, game]) for game in range(num_envs)]
 
     assert aux_obs.shape[:2] == aux_targets.shape == (n_pi * num_envs, T)
     unmatched = list(range(len(rollouts)))
