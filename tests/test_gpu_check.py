@@ -346,8 +346,9 @@ def test_the_dry_run_reports_every_step_into_whole_files(tiny_gpu_check):  # noq
 
 
 def test_a_whole_run_puts_at_most_8_files_in_out(tiny_gpu_check, tmp_path):  # noqa: F811
-    """The results of a remote GPU machine come back as at most 8 files. The dry run's files, and those that the steps it leaves
-    out write (each its JSON: a step writes only its `output`, learning.tar.gz and summary.json), are at most 8."""
+    """The results of a remote GPU machine come back as at most 8 files. The dry run's files, and
+    those that the steps it leaves out write (each its JSON: a step writes only its `output`,
+    learning.tar.gz and summary.json), are at most 8."""
     left_out = [step for step in gpu_check.plan(settings_in(tmp_path)) if step.name not in tiny_gpu_check.steps
                 or tiny_gpu_check.steps[step.name]["status"] == "skipped"]
     whole = set(tiny_gpu_check.files) | {step.output for step in left_out if step.output}
