@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal, NamedTuple, Optional, Union
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds on a busy machine): no traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends, as on SIGTERM; nothing exists yet
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends: nothing exists yet
 
 import gymnasium as gym
 import numpy as np
@@ -881,7 +881,7 @@ class Run:
     recent_returns: collections.deque = field(default_factory=functools.partial(collections.deque, maxlen=100))
     last_whole: Optional[tuple] = None  # (iteration, checkpoint bytes): what a stop saves
     saved: Optional[tuple] = None  # (iteration, path) of the last checkpoint on disk
-    signal_handlers: dict = field(default_factory=dict)  # SIGINT's and SIGTERM's before the run, restored after it
+    signal_handlers: dict = field(default_factory=dict)  # SIGINT's, SIGTERM's of before the run
 
 
 def start_run(args):
@@ -1064,7 +1064,7 @@ class StopOnSignal:
             save_checkpoint(self.run, final=last)
 
     def __exit__(self, kind, error, traceback):
-        for signum in self.run.signal_handlers:  # the run is ending: no further signal cuts its checkpoint's write
+        for signum in self.run.signal_handlers:  # ending: no signal cuts the checkpoint's write
             signal.signal(signum, signal.SIG_IGN)
         try:
             end_run(self.run, self.closing, error, self.signum or signal.SIGTERM)  # SIGTERM: another rank's
@@ -1081,7 +1081,8 @@ def stop_in_startup(signum, frame, run):
     try:
         close_run(run, closing=())  # the games made so far close as the process ends
         remove_if_empty(run)
-        print(f"\ninterrupted by {signal.Signals(signum).name}: nothing new to save; {last_saved(run)}", flush=True)
+        name = signal.Signals(signum).name
+        print(f"\ninterrupted by {name}: nothing new to save; {last_saved(run)}", flush=True)
     finally:
         restore_signal_handlers(run)
     raise SystemExit(128 + signum)

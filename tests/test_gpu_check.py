@@ -101,8 +101,8 @@ def test_the_budgets_on_a_given_clock(tmp_path):
 
 
 def collected_cuda_tests(session):
-    """The node ids of the tests marked cuda in CUDA_TEST_FILES: from this session where it collected those files
-    (the whole suite), else from pytest --collect-only -m cuda on them."""
+    """The node ids of the tests marked cuda in CUDA_TEST_FILES: from the running pytest where it
+    collected those files (the whole suite), else from pytest --collect-only -m cuda on them."""
     files = set(gpu_check.CUDA_TEST_FILES)
     if files <= {item.nodeid.split("::")[0] for item in session.items}:
         return [item.nodeid for item in session.items
