@@ -23,8 +23,8 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional, Tuple
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds on a busy machine): no traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends, as on SIGTERM; nothing exists yet
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the process just ends: nothing exists yet
 
 import numpy as np
 import torch
