@@ -81,16 +81,22 @@ def shell_lines(body):
     return body.replace("\\\n", " ").splitlines()
 
 
-def commands_of(text):
-    """Every python/torchrun invocation of a .py file on a page: (script, argv, the text it came from)."""
+def split_command_lines(text, inline_pattern):
+    """(source, tokens) of each shell line of a page's code blocks and of each inline span that matches
+    `inline_pattern`, split as a shell splits them; half a command in prose (an unclosed quote) is skipped."""
     sources = [line for language, body in code_blocks(text) if language in CODE_LANGUAGES for line in shell_lines(body)]
-    sources += [span for span in inline_spans(text) if re.search(r"\b(python3?|torchrun|srun)\b", span)]
-    found = []
+    sources += [span for span in inline_spans(text) if re.search(inline_pattern, span)]
     for source in sources:
         try:
-            tokens = shlex.split(source, comments=True)
-        except ValueError:  # half a command in prose, e.g. an unclosed quote
+            yield source, shlex.split(source, comments=True)
+        except ValueError:
             continue
+
+
+def commands_of(text):
+    """Every python/torchrun invocation of a .py file on a page: (script, argv, the text it came from)."""
+    found = []
+    for source, tokens in split_command_lines(text, r"\b(python3?|torchrun|srun)\b"):
         for start, token in enumerate(tokens):
             if os.path.basename(token) not in ("python", "python3", "torchrun"):
                 continue
@@ -1196,14 +1202,8 @@ PYTEST_VALUE_OPTIONS = {"-m", "-k", "-p", "-n", "-c", "-o", "--dist", "--duratio
 
 def pytest_commands(text):
     """The argument lists of every `pytest ...` and `python -m pytest ...` line on a page (code and inline)."""
-    sources = [line for language, body in code_blocks(text) if language in CODE_LANGUAGES for line in shell_lines(body)]
-    sources += [span for span in inline_spans(text) if re.search(r"\bpytest\b", span)]
     found = []
-    for source in sources:
-        try:
-            tokens = shlex.split(source, comments=True)
-        except ValueError:
-            continue
+    for _, tokens in split_command_lines(text, r"\bpytest\b"):
         for start, token in enumerate(tokens):
             before = tokens[start - 1] if start else ""
             runs = (start == 0 or before in SHELL_SEPARATORS or before.isdigit()
